@@ -1,0 +1,56 @@
+"""The array module, chosen in one place.
+
+Every other module does ``from mpipar import backend as B`` and writes ``B.xp.zeros(...)``,
+so switching NumPy for CuPy is one call to :func:`use`. float32 is the default dtype;
+float64 is for exact comparisons between a parallel run and the serial one.
+"""
+
+import numpy as np
+
+xp = np  # the array module in use: numpy, or cupy after use("cupy")
+dtype = np.float32  # the default floating dtype of parameters and activations
+
+
+def use(name="numpy", dtype_name=None):
+    """Select the array module ("numpy" or "cupy") and, optionally, the dtype."""
+    global xp
+    if name == "numpy":
+        xp = np
+    elif name == "cupy":
+        try:
+            import cupy
+        except ImportError as err:  # the gpu extra is optional
+            raise SystemExit("--backend cupy needs CuPy: pip install -e '.[gpu]'") from err
+        xp = cupy
+    else:
+        raise ValueError(f"unknown backend {name!r}: choose numpy or cupy")
+    if dtype_name is not None:
+        set_dtype(dtype_name)
+    return xp
+
+
+def set_dtype(name):
+    """Set the default floating dtype from its name ("float32" or "float64")."""
+    global dtype
+    if name not in ("float32", "float64"):
+        raise ValueError(f"unknown dtype {name!r}: choose float32 or float64")
+    dtype = np.dtype(name).type
+    return dtype
+
+
+def to_numpy(a):
+    """A host (NumPy) copy of an array of either backend; NumPy arrays pass through."""
+    if xp is not np and isinstance(a, xp.ndarray):
+        return xp.asnumpy(a)
+    return np.asarray(a)
+
+
+def asarray(a, dtype=None):
+    """Move a host array to the backend's device (a no-op for NumPy)."""
+    return xp.asarray(a, dtype=dtype)
+
+
+def synchronize():
+    """Wait for queued GPU work, so a buffer is complete before MPI reads it."""
+    if xp is not np:
+        xp.cuda.get_current_stream().synchronize()

@@ -1,0 +1,32 @@
+"""python -m mpipar.bench {engine,net,dp,pp,tp,hybrid}: run one benchmark, write its CSV."""
+
+import argparse
+import importlib
+import os
+
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")  # before NumPy loads: one BLAS thread
+
+BENCHES = {
+    "engine": "the autograd engine against bare NumPy (one MLP training step)",
+    "net": "ping-pong latency/bandwidth (alpha, beta) and the allreduce algorithms",
+    "dp": "data parallelism: step time and speedup per sync mode",
+    "pp": "pipeline parallelism: bubble share, activation memory, step time",
+    "tp": "tensor parallelism: step time and communication share against hidden size",
+    "hybrid": "every DP x TP x PP layout of 4 ranks",
+}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m mpipar.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="\n".join(f"  {k:8s} {v}" for k, v in BENCHES.items()))
+    ap.add_argument("which", choices=list(BENCHES))
+    ap.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    args, rest = ap.parse_known_args(argv)
+    module = importlib.import_module(f"mpipar.bench.{args.which}")
+    module.main(rest + (["--quick"] if args.quick else []))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""What every benchmark shares: the environment of a row, CSV output, timing, and running a
+worker under ``mpirun`` from a plain ``python -m mpipar.bench ...``."""
+
+import csv
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PLOTS = Path(__file__).resolve().parents[2] / "plots"
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def environment(ranks=1, threads=1):
+    """The columns every CSV row carries: versions, cores, ranks, threads."""
+    import mpi4py
+    import numpy
+
+    from mpi4py import MPI
+
+    return {
+        "python": platform.python_version(),
+        "numpy": numpy.__version__,
+        "mpi4py": mpi4py.__version__,
+        "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+        "cores": cores(),
+        "ranks": ranks,
+        "threads": threads,
+        "oversubscribed": ranks * threads > cores(),
+    }
+
+
+def write_csv(name, rows):
+    """Write rows (dicts) to plots/<name>, columns in first-seen order; return the path."""
+    PLOTS.mkdir(exist_ok=True)
+    path = PLOTS / name
+    fields = []
+    for row in rows:
+        fields += [k for k in row if k not in fields]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        w.writerows(rows)
+    return path
+
+
+def read_csv(name):
+    with open(PLOTS / name, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def median_time(fn, repeats=7, warmup=2):
+    """Median wall time of fn() over repeats, after warm-up calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def mpirun_path():
+    for candidate in (Path(sys.executable).parent / "mpirun", shutil.which("mpirun")):
+        if candidate and Path(candidate).exists():
+            return str(candidate)
+    raise SystemExit("mpirun not found: run `make install` (the mpich wheel provides it)")
+
+
+def run_ranks(n, module, args=(), timeout=600):
+    """Run ``mpirun -n n python -m module args`` with one BLAS thread per rank and return the
+    JSON objects its rank 0 printed on lines starting with ``RESULT ``."""
+    cmd = [mpirun_path(), "-n", str(n), sys.executable, "-m", module, *map(str, args)]
+    env = dict(os.environ, **ONE_THREAD)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}")
+    return [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+
+
+def emit(obj):
+    """Print one result line for :func:`run_ranks` to collect."""
+    print("RESULT " + json.dumps(obj), flush=True)

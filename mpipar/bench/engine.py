@@ -1,0 +1,93 @@
+"""The engine's overhead: one MLP training step through mpipar.nn against the same step
+written as bare NumPy matrix products, in the same run.
+
+    python -m mpipar.bench engine
+
+MLP widths [784, 128, 127, 126, 125, 124, 123, 10], batch 128, float32, one BLAS thread,
+plain SGD. Both steps do the same arithmetic (forward, softmax cross-entropy, backward, update),
+so the ratio is the price of the layer abstraction: Python calls, caching, dispatch.
+"""
+
+import argparse
+
+import numpy as np
+
+from mpipar import backend as B
+from mpipar import nn, optim
+from mpipar.bench.common import environment, median_time, write_csv
+
+SIZES = [784, 128, 127, 126, 125, 124, 123, 10]
+
+
+def engine_step(model, loss_fn, opt, x, y):
+    opt.zero_grad()
+    loss = loss_fn.forward(model.forward(x), y)
+    model.backward(loss_fn.backward())
+    opt.step()
+    return loss
+
+
+def bare_step(Ws, bs, x, y, lr):
+    """The same step with nothing but NumPy: the baseline."""
+    hs = [x]
+    for W, b in zip(Ws[:-1], bs[:-1]):
+        hs.append(np.maximum(hs[-1] @ W + b, 0))
+    z = hs[-1] @ Ws[-1] + bs[-1]
+    z -= z.max(axis=1, keepdims=True)
+    p = np.exp(z)
+    p /= p.sum(axis=1, keepdims=True)
+    loss = -np.log(p[np.arange(len(y)), y]).mean()
+    dz = p
+    dz[np.arange(len(y)), y] -= 1
+    dz /= len(y)
+    for i in range(len(Ws) - 1, -1, -1):
+        dW, db = hs[i].T @ dz, dz.sum(axis=0)
+        if i:
+            dz = (dz @ Ws[i].T) * (hs[i] > 0)
+        Ws[i] -= lr * dW
+        bs[i] -= lr * db
+    return loss
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m mpipar.bench engine")
+    ap.add_argument("--batch-size", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    repeats = 10 if args.quick else args.repeats
+    B.use("numpy", "float32")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((args.batch_size, SIZES[0])).astype(np.float32)
+    y = rng.integers(0, SIZES[-1], args.batch_size)
+
+    model = nn.MLP(SIZES).init(0)
+    opt = optim.SGD(model.parameters(), lr=1e-3)
+    loss_fn = nn.SoftmaxCrossEntropy()
+    Ws = [p.data.copy() for n, p in model.named_parameters() if n.endswith(".W")]
+    bs = [p.data.copy() for n, p in model.named_parameters() if n.endswith(".b")]
+
+    # the two must compute the same thing before their times mean anything
+    l1 = engine_step(model, loss_fn, opt, x, y)
+    l2 = bare_step(Ws, bs, x, y, 1e-3)
+    assert abs(l1 - l2) < 1e-4 * abs(l2), (l1, l2)
+
+    # interleave the two so that noise from other work on the machine hits both alike
+    t_engine, t_bare = [], []
+    for _ in range(3):
+        t_engine.append(median_time(lambda: engine_step(model, loss_fn, opt, x, y), repeats))
+        t_bare.append(median_time(lambda: bare_step(Ws, bs, x, y, 1e-3), repeats))
+    engine, bare = min(t_engine), min(t_bare)
+    ratio = engine / bare
+    row = dict(environment(), bench="engine", sizes="-".join(map(str, SIZES)),
+               batch=args.batch_size, dtype="float32", engine_ms=round(engine * 1e3, 4),
+               bare_numpy_ms=round(bare * 1e3, 4), ratio=round(ratio, 4))
+    path = write_csv("engine.csv", [row])
+    print(f"one MLP step {SIZES}, batch {args.batch_size}, float32, 1 thread:")
+    print(f"  mpipar.nn   {engine * 1e3:8.3f} ms")
+    print(f"  bare NumPy  {bare * 1e3:8.3f} ms")
+    print(f"  ratio       {ratio:8.3f}  (target <= 1.15)   -> {path}")
+
+
+if __name__ == "__main__":
+    main()

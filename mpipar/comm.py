@@ -1,0 +1,388 @@
+"""The only module that hands arrays to MPI.
+
+Run any scheme under ``mpirun -n 4 python -m mpipar.<scheme>``; this module gives it a
+:class:`Comm` that wraps an mpi4py communicator and, on every call:
+
+1. uses the buffer (upper-case) API: arrays are never pickled;
+2. checks the array first: C-contiguous (a transposed view is accepted by MPI and arrives in
+   the wrong order, so it is refused here), and of the expected shape and dtype;
+3. counts calls and logical payload bytes per operation (``stats``), see :meth:`Comm._count`;
+4. records a timestamped span in :data:`mpipar.trace.TRACE` and, with ``--explain``, prints
+   a line naming the call, the partner ranks, the bytes and the time;
+5. waits without burning a core when ranks outnumber cores: a blocking call is posted as its
+   non-blocking twin and polled with short sleeps, so the ranks that compute get the CPU.
+
+It also makes one rank's exception end the whole job (:func:`install_excepthook`), and offers
+``MPIPAR_SSEND=1``, which maps every send to a synchronous send so that an ordering that only
+works while MPI buffers small messages deadlocks at once in the tests.
+"""
+
+import os
+import sys
+import time
+import traceback
+from collections import defaultdict
+
+import numpy as np
+from mpi4py import MPI
+
+from mpipar import backend as B
+from mpipar.trace import TRACE
+
+SSEND = os.environ.get("MPIPAR_SSEND", "0") == "1"
+EXPLAIN = False  # set by a scheme's --explain: narrate every call on every rank
+
+
+# ----------------------------------------------------------------------------- failure
+def install_excepthook():
+    """On an uncaught exception, print it with the rank and abort every rank of the job.
+
+    Without this, the other ranks wait forever for a message the dead rank will never send.
+    SystemExit (argparse errors, clean refusals) is not an exception here: every rank raises it
+    on the same bad input and exits with its code on its own.
+    """
+    rank = MPI.COMM_WORLD.Get_rank()
+
+    def hook(kind, value, tb):
+        text = "".join(traceback.format_exception(kind, value, tb))
+        sys.stderr.write(f"[rank {rank}] {text}")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+
+    sys.excepthook = hook
+
+
+def refuse(message, code=2):
+    """Exit with a clear message (printed once, by world rank 0) and a non-zero code.
+    Every rank calls this on the same bad input, so no rank is left waiting."""
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        sys.stderr.write(f"error: {message}\n")
+        sys.stderr.flush()
+    raise SystemExit(code)
+
+
+# ----------------------------------------------------------------------------- waiting
+def _ranks_per_core():
+    local = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    n_local = local.Get_size()
+    local.Free()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return n_local / max(cores, 1)
+
+
+# "sleep" when ranks outnumber cores, else "spin" (MPI's own Wait, lowest latency)
+WAIT = os.environ.get("MPIPAR_WAIT") or ("sleep" if _ranks_per_core() > 1 else "spin")
+
+
+def wait(request, status=None):
+    """Complete a request. In "sleep" mode, poll with Test and sleep between polls (10 us
+    growing to 200 us), so a waiting rank leaves its core to a rank that computes."""
+    if WAIT == "spin":
+        request.Wait(status)
+        return
+    delay = 1e-5
+    while not request.Test(status):
+        time.sleep(delay)
+        delay = min(2 * delay, 2e-4)
+
+
+# ----------------------------------------------------------------------------- checks
+def check_array(a, shape=None, dtype=None, what="array"):
+    """Refuse what MPI would silently get wrong: a non-contiguous view, a wrong shape/dtype."""
+    if not isinstance(a, (np.ndarray, B.xp.ndarray)):
+        raise TypeError(f"{what}: expected an array, got {type(a).__name__}")
+    if not a.flags.c_contiguous:
+        raise ValueError(
+            f"{what}: refusing a non-contiguous array of shape {a.shape} (a transposed view or "
+            "a strided slice?); MPI would read its memory in the wrong order. "
+            "Pass np.ascontiguousarray(a)."
+        )
+    if shape is not None and tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{what}: shape {tuple(a.shape)}, expected {tuple(shape)}")
+    if dtype is not None and a.dtype != np.dtype(dtype):
+        raise ValueError(f"{what}: dtype {a.dtype}, expected {np.dtype(dtype)}")
+
+
+def _host(a):
+    """The array MPI reads: itself for NumPy; a host copy for CuPy (stream synchronised first),
+    since a pip MPICH is not CUDA-aware."""
+    if B.xp is np:
+        return a
+    B.synchronize()
+    return B.to_numpy(a)
+
+
+def _host_out(a):
+    """A host buffer for MPI to write into, and the device array to copy it back to."""
+    if B.xp is np:
+        return a, None
+    return np.empty(a.shape, a.dtype), a
+
+
+def _copy_back(host, dev):
+    if dev is not None:
+        dev[...] = B.asarray(host)
+
+
+def _fmt_bytes(n):
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+class Request:
+    """A posted non-blocking call; ``wait()`` completes it (without spinning) and records it."""
+
+    def __init__(self, comm, mpi_request, op, detail, nbytes, finish=None):
+        self.comm, self.mpi_request = comm, mpi_request
+        self.op, self.detail, self.nbytes, self.finish = op, detail, nbytes, finish
+        self.t0 = MPI.Wtime()
+        self.status = MPI.Status()
+        self.done = False
+
+    def wait(self):
+        if not self.done:
+            wait(self.mpi_request, self.status)
+            if self.finish is not None:
+                self.finish(self.status)
+            self.comm._record(self.op, self.detail, self.nbytes, self.t0)
+            self.done = True
+        return self.status
+
+
+# ----------------------------------------------------------------------------- the wrapper
+class Comm:
+    """An mpi4py communicator with checked, counted, traced and non-spinning calls.
+
+    ``stats[op]`` holds ``calls``, ``messages`` (point-to-point messages this rank sent),
+    ``sent`` and ``recv``: the logical payload bytes this rank contributed to and got from the
+    operation. For a collective these are the bytes of the data the call moves between this
+    rank and the others, independent of MPI's internal algorithm: a root that broadcasts n
+    bytes to p-1 ranks counts sent = (p-1) n; each receiver counts recv = n; an Allreduce of
+    n bytes counts sent = recv = n on every rank.
+    """
+
+    def __init__(self, mpi_comm, name="world"):
+        self.mpi = mpi_comm
+        self.name = name
+        self.rank = mpi_comm.Get_rank()
+        self.size = mpi_comm.Get_size()
+        self.stats = defaultdict(lambda: defaultdict(int))
+
+    # -- bookkeeping
+    def _count(self, op, sent=0, recv=0, messages=0):
+        s = self.stats[op]
+        s["calls"] += 1
+        s["sent"] += int(sent)
+        s["recv"] += int(recv)
+        s["messages"] += messages
+
+    def _record(self, op, detail, nbytes, t0):
+        t1 = MPI.Wtime()
+        TRACE.add(t0, t1, "comm", op, comm=self.name, detail=detail, bytes=nbytes)
+        if EXPLAIN:
+            print(f"[{self.name} rank {self.rank}] {op:<14} {detail:<34} {_fmt_bytes(nbytes):>9}"
+                  f"  {(t1 - t0) * 1e3:7.3f} ms", flush=True)
+
+    def reset_stats(self):
+        self.stats.clear()
+
+    def total(self, key, ops=None):
+        return sum(s[key] for op, s in self.stats.items() if ops is None or op in ops)
+
+    def _blocking(self, req, op, detail, nbytes, t0, status=None):
+        wait(req, status)
+        self._record(op, detail, nbytes, t0)
+
+    # -- point to point
+    def Send(self, buf, dest, tag=0):
+        check_array(buf, what=f"Send to {dest}")
+        self.Isend(buf, dest, tag).wait()
+
+    def Isend(self, buf, dest, tag=0):
+        check_array(buf, what=f"Isend to {dest}")
+        host = _host(buf)
+        post = self.mpi.Issend if SSEND else self.mpi.Isend
+        self._count("Send", sent=buf.nbytes, messages=1)
+        return Request(self, post(host, dest=dest, tag=tag), "Send", f"-> rank {dest}", buf.nbytes)
+
+    def Recv(self, buf, source, tag=0):
+        return self.Irecv(buf, source, tag).wait()
+
+    def Irecv(self, buf, source, tag=0):
+        """Receive into ``buf``; a message of any other size than ``buf`` is an error."""
+        check_array(buf, what=f"Recv from {source}")
+        host, dev = _host_out(buf)
+
+        def finish(status):
+            count = status.Get_count(MPI.BYTE)
+            if count != buf.nbytes:
+                raise ValueError(f"Recv from {source}: got {count} bytes, buffer of shape "
+                                 f"{buf.shape} {buf.dtype} expects {buf.nbytes}")
+            _copy_back(host, dev)
+
+        self._count("Recv", recv=buf.nbytes)
+        req = self.mpi.Irecv(host, source=source, tag=tag)
+        return Request(self, req, "Recv", f"<- rank {source}", buf.nbytes, finish)
+
+    def Sendrecv(self, sendbuf, dest, recvbuf, source, tag=0):
+        """Send to ``dest`` and receive from ``source`` at once: cannot deadlock in a ring."""
+        check_array(sendbuf, what=f"Sendrecv to {dest}")
+        check_array(recvbuf, what=f"Sendrecv from {source}")
+        t0 = MPI.Wtime()
+        host_in, dev = _host_out(recvbuf)
+        rreq = self.mpi.Irecv(host_in, source=source, tag=tag)
+        sreq = (self.mpi.Issend if SSEND else self.mpi.Isend)(_host(sendbuf), dest=dest, tag=tag)
+        wait(sreq)
+        wait(rreq)
+        _copy_back(host_in, dev)
+        self._count("Sendrecv", sent=sendbuf.nbytes, recv=recvbuf.nbytes, messages=1)
+        self._record("Sendrecv", f"-> {dest}, <- {source}", sendbuf.nbytes, t0)
+
+    # -- collectives
+    def Barrier(self):
+        t0 = MPI.Wtime()
+        self._count("Barrier")
+        self._blocking(self.mpi.Ibarrier(), "Barrier", "all ranks", 0, t0)
+
+    def Bcast(self, buf, root=0):
+        """Every rank's ``buf`` becomes root's."""
+        check_array(buf, what="Bcast")
+        t0 = MPI.Wtime()
+        host, dev = (_host(buf), None) if self.rank == root else _host_out(buf)
+        n = buf.nbytes
+        self._count("Bcast", sent=n * (self.size - 1) if self.rank == root else 0,
+                    recv=0 if self.rank == root else n)
+        self._blocking(self.mpi.Ibcast(host, root=root), "Bcast", f"root {root} -> all", n, t0)
+        _copy_back(host, dev)
+
+    def Reduce(self, sendbuf, recvbuf, op=MPI.SUM, root=0):
+        """``recvbuf`` on root = op over every rank's ``sendbuf`` (recvbuf ignored elsewhere)."""
+        check_array(sendbuf, what="Reduce")
+        t0 = MPI.Wtime()
+        is_root = self.rank == root
+        if is_root:
+            check_array(recvbuf, sendbuf.shape, sendbuf.dtype, what="Reduce result")
+        host_out, dev = _host_out(recvbuf) if is_root else (None, None)
+        n = sendbuf.nbytes
+        self._count("Reduce", sent=0 if is_root else n, recv=n * (self.size - 1) if is_root else 0)
+        req = self.mpi.Ireduce(_host(sendbuf), host_out, op=op, root=root)
+        self._blocking(req, "Reduce", f"all -> root {root}", n, t0)
+        if is_root:
+            _copy_back(host_out, dev)
+
+    def Allreduce(self, buf, op=MPI.SUM):
+        """In place: every rank's ``buf`` becomes op over all ranks' ``buf``."""
+        self.Iallreduce(buf, op).wait()
+
+    def Iallreduce(self, buf, op=MPI.SUM):
+        """Non-blocking in-place Allreduce; call ``.wait()`` on the result before reading buf."""
+        check_array(buf, what="Allreduce")
+        host, dev = _host_out(buf)
+        if dev is not None:
+            host[...] = _host(buf)
+        self._count("Allreduce", sent=buf.nbytes, recv=buf.nbytes)
+        req = self.mpi.Iallreduce(MPI.IN_PLACE, host, op=op)
+        return Request(self, req, "Allreduce", f"all <-> all ({self.size})", buf.nbytes,
+                       lambda status: _copy_back(host, dev))
+
+    def Allgather(self, sendbuf, recvbuf):
+        """recvbuf (size * len(sendbuf) along axis 0) = every rank's sendbuf, in rank order."""
+        check_array(sendbuf, what="Allgather")
+        check_array(recvbuf, (self.size * sendbuf.shape[0],) + sendbuf.shape[1:], sendbuf.dtype,
+                    what="Allgather result")
+        t0 = MPI.Wtime()
+        host_out, dev = _host_out(recvbuf)
+        self._count("Allgather", sent=sendbuf.nbytes,
+                    recv=recvbuf.nbytes - sendbuf.nbytes)
+        req = self.mpi.Iallgather(_host(sendbuf), host_out)
+        self._blocking(req, "Allgather", f"all <-> all ({self.size})", recvbuf.nbytes, t0)
+        _copy_back(host_out, dev)
+
+    def Reduce_scatter(self, sendbuf, recvbuf, op=MPI.SUM):
+        """Sum sendbuf over ranks and give rank r block r (equal blocks along axis 0)."""
+        check_array(sendbuf, what="Reduce_scatter")
+        check_array(recvbuf, (sendbuf.shape[0] // self.size,) + sendbuf.shape[1:],
+                    sendbuf.dtype, what="Reduce_scatter result")
+        t0 = MPI.Wtime()
+        host_out, dev = _host_out(recvbuf)
+        self._count("Reduce_scatter", sent=sendbuf.nbytes, recv=recvbuf.nbytes)
+        req = self.mpi.Ireduce_scatter_block(_host(sendbuf), host_out, op=op)
+        self._blocking(req, "Reduce_scatter", f"all <-> all ({self.size})", sendbuf.nbytes, t0)
+        _copy_back(host_out, dev)
+
+    def Scatterv(self, sendbuf, counts, recvbuf, root=0):
+        """Root splits sendbuf along axis 0 into ``counts[r]`` rows for rank r."""
+        check_array(recvbuf, what="Scatterv result")
+        row = int(np.prod(recvbuf.shape[1:]))
+        if recvbuf.shape[0] != counts[self.rank]:
+            raise ValueError(f"Scatterv: rank {self.rank} expects {counts[self.rank]} rows, "
+                             f"its buffer has {recvbuf.shape[0]}")
+        t0 = MPI.Wtime()
+        is_root = self.rank == root
+        elems = [c * row for c in counts]
+        displs = np.concatenate(([0], np.cumsum(elems)[:-1])).tolist()
+        send = None
+        if is_root:
+            check_array(sendbuf, what="Scatterv")
+            send = [_host(sendbuf), (elems, displs), MPI._typedict[sendbuf.dtype.char]]
+        host_out, dev = _host_out(recvbuf)
+        self._count("Scatterv", sent=(sendbuf.nbytes - recvbuf.nbytes) if is_root else 0,
+                    recv=0 if is_root else recvbuf.nbytes)
+        req = self.mpi.Iscatterv(send, host_out, root=root)
+        self._blocking(req, "Scatterv", f"root {root} -> all, rows {list(counts)}",
+                       recvbuf.nbytes, t0)
+        _copy_back(host_out, dev)
+
+    def Gatherv(self, sendbuf, counts, recvbuf, root=0):
+        """Root collects ``counts[r]`` rows from rank r into recvbuf, in rank order."""
+        check_array(sendbuf, what="Gatherv")
+        row = int(np.prod(sendbuf.shape[1:]))
+        t0 = MPI.Wtime()
+        is_root = self.rank == root
+        elems = [c * row for c in counts]
+        displs = np.concatenate(([0], np.cumsum(elems)[:-1])).tolist()
+        recv, host_out, dev = None, None, None
+        if is_root:
+            check_array(recvbuf, what="Gatherv result")
+            host_out, dev = _host_out(recvbuf)
+            recv = [host_out, (elems, displs), MPI._typedict[recvbuf.dtype.char]]
+        self._count("Gatherv", sent=0 if is_root else sendbuf.nbytes,
+                    recv=(recvbuf.nbytes - sendbuf.nbytes) if is_root else 0)
+        req = self.mpi.Igatherv(_host(sendbuf), recv, root=root)
+        self._blocking(req, "Gatherv", f"all -> root {root}", sendbuf.nbytes, t0)
+        if is_root:
+            _copy_back(host_out, dev)
+
+    # -- small metadata (pickled, lower-case): never for arrays
+    def bcast_obj(self, obj, root=0):
+        return self.mpi.bcast(obj, root=root)
+
+    def gather_obj(self, obj, root=0):
+        return self.mpi.gather(obj, root=root)
+
+    def allgather_obj(self, obj):
+        return self.mpi.allgather(obj)
+
+
+def narrate(text):
+    """With --explain, print a line about the step being run, prefixed by the world rank."""
+    if EXPLAIN:
+        print(f"[rank {MPI.COMM_WORLD.Get_rank()}] {text}", flush=True)
+
+
+def world():
+    """The whole job as a :class:`Comm`."""
+    return Comm(MPI.COMM_WORLD, "world")
+
+
+def log(*args):
+    """Print on world rank 0 only (every rank computes; one speaks)."""
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        print(*args, flush=True)
+
+
+def split_rows(n, p):
+    """Rows per rank when n rows are split over p ranks as evenly as possible."""
+    return [n // p + (1 if r < n % p else 0) for r in range(p)]

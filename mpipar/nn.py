@@ -1,0 +1,504 @@
+"""Layers with hand-written forward and backward passes.
+
+Every layer keeps its forward and its backward side by side. ``forward(x, micro_id)`` caches
+what the backward needs under the micro-batch id, because a pipeline stage holds several
+micro-batches in flight; ``backward(dout, micro_id)`` pops that cache, accumulates the
+parameter gradients with ``+=`` and returns the gradient of the input.
+
+Parameters are named by where they sit in the model (``blocks.3.attn.qkv.W``) and each is
+initialised from the global seed and its own name only (:func:`init_value`), so any piece of
+the model built on any rank starts with exactly the serial model's weights.
+
+Shapes: B batch, T sequence length, C model width, H heads, D = C / H head width, V vocabulary.
+"""
+
+import hashlib
+import math
+
+import numpy as np
+
+from mpipar import backend as B
+
+
+# ----------------------------------------------------------------------------- parameters
+def param_rng(seed, name):
+    """A NumPy generator that depends on the global seed and the parameter's name only."""
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return np.random.default_rng(int.from_bytes(digest[:8], "little"))
+
+
+class Parameter:
+    """A tensor to learn: ``data``, its gradient ``grad``, and how to initialise it."""
+
+    def __init__(self, *shape, init="normal", std=0.02):
+        self.shape = tuple(shape)
+        self.init = init  # "normal" (mean 0, std), "zeros" or "ones"
+        self.std = std
+        self.name = None  # set by Module.init to the canonical name
+        self.data = None
+        self.grad = None
+
+    def init_value(self, seed, name):
+        """The full initial value, as float64 on the host (shards slice it)."""
+        if self.init == "zeros":
+            return np.zeros(self.shape)
+        if self.init == "ones":
+            return np.ones(self.shape)
+        return param_rng(seed, name).normal(0.0, self.std, size=self.shape)
+
+    def set(self, host_value):
+        self.data = B.asarray(np.ascontiguousarray(host_value), dtype=B.dtype)
+        self.grad = B.xp.zeros_like(self.data)
+
+    @property
+    def size(self):
+        return int(np.prod(self.shape))
+
+    def __repr__(self):
+        return f"Parameter({self.name}, shape={self.shape})"
+
+
+class Module:
+    """Base class: named parameters, a per-micro-batch cache, forward and backward."""
+
+    def __init__(self):
+        self._cache = {}
+
+    # -- the tree of modules and parameters, in definition order
+    def named_parameters(self, prefix=""):
+        for key, value in vars(self).items():
+            if isinstance(value, Parameter):
+                yield prefix + key, value
+            elif isinstance(value, Module):
+                yield from value.named_parameters(f"{prefix}{key}.")
+
+    def parameters(self):
+        return [p for _, p in self.named_parameters()]
+
+    def modules(self):
+        yield self
+        for value in vars(self).values():
+            if isinstance(value, Module):
+                yield from value.modules()
+
+    def init(self, seed, prefix=""):
+        """Give every parameter its canonical name and its seeded initial value."""
+        for name, p in self.named_parameters(prefix):
+            p.name = name
+            p.set(p.init_value(seed, name))
+        return self
+
+    def zero_grad(self):
+        for p in self.parameters():
+            p.grad[...] = 0
+
+    def clear_cache(self):
+        for m in self.modules():
+            m._cache.clear()
+
+    def cached_bytes(self):
+        """Bytes of activations held for backward, over all micro-batches in flight."""
+        seen = {}  # by id: a layer's input is often the previous layer's cached output
+        for m in self.modules():
+            for saved in m._cache.values():
+                seen.update((id(a), a.nbytes) for a in saved if hasattr(a, "nbytes"))
+        return sum(seen.values())
+
+    # -- the cache: forward saves, backward pops (so memory is freed as backward runs)
+    def save(self, micro_id, *arrays):
+        self._cache[micro_id] = arrays
+
+    def saved(self, micro_id):
+        return self._cache.pop(micro_id)
+
+    def forward(self, x, micro_id=0):
+        raise NotImplementedError
+
+    def backward(self, dout, micro_id=0):
+        raise NotImplementedError
+
+    def flops(self, x_shape):
+        """Estimated forward FLOPs for an input of this shape (used to balance pipelines)."""
+        return 0
+
+
+def _rows(a):
+    """View a (..., n) array as (rows, n) for a matrix product."""
+    return a.reshape(-1, a.shape[-1])
+
+
+# ----------------------------------------------------------------------------- layers
+class Linear(Module):
+    """y = x W + b, with W of shape (d_in, d_out).
+
+    ``input_grad=False`` skips dx for a layer fed straight from the data (it would be thrown
+    away, and for a wide input it is a third of the layer's backward FLOPs)."""
+
+    def __init__(self, d_in, d_out, bias=True, std=None, input_grad=True):
+        super().__init__()
+        self.input_grad = input_grad
+        std = 1.0 / math.sqrt(d_in) if std is None else std
+        self.W = Parameter(d_in, d_out, std=std)
+        if bias:
+            self.b = Parameter(d_out, init="zeros")
+        self.has_bias = bias
+
+    def forward(self, x, micro_id=0):
+        self.save(micro_id, x)
+        y = x @ self.W.data  # (..., d_out)
+        if self.has_bias:
+            y += self.b.data
+        return y
+
+    def backward(self, dout, micro_id=0):
+        (x,) = self.saved(micro_id)
+        self.W.grad += _rows(x).T @ _rows(dout)  # (d_in, d_out)
+        if self.has_bias:
+            self.b.grad += _rows(dout).sum(axis=0)
+        if not self.input_grad:
+            return None
+        return dout @ self.W.data.T  # (..., d_in)
+
+    def flops(self, x_shape):
+        return 2 * int(np.prod(x_shape)) * self.W.shape[1]
+
+
+class ReLU(Module):
+    def forward(self, x, micro_id=0):
+        mask = x > 0
+        self.save(micro_id, mask)
+        return x * mask
+
+    def backward(self, dout, micro_id=0):
+        (mask,) = self.saved(micro_id)
+        return dout * mask
+
+
+class GELU(Module):
+    """GELU, tanh approximation: 0.5 x (1 + tanh(k (x + 0.044715 x^3))), k = sqrt(2/pi)."""
+
+    K = math.sqrt(2.0 / math.pi)
+
+    def forward(self, x, micro_id=0):
+        t = B.xp.tanh(self.K * (x + 0.044715 * x**3))
+        self.save(micro_id, x, t)
+        return 0.5 * x * (1.0 + t)
+
+    def backward(self, dout, micro_id=0):
+        x, t = self.saved(micro_id)
+        dt = self.K * (1.0 + 3 * 0.044715 * x**2)  # d(inner)/dx
+        return dout * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * dt)
+
+
+class LayerNorm(Module):
+    """Normalise the last axis to zero mean and unit variance, then scale (g) and shift (b)."""
+
+    def __init__(self, d, eps=1e-5):
+        super().__init__()
+        self.g = Parameter(d, init="ones")
+        self.b = Parameter(d, init="zeros")
+        self.eps = eps
+
+    def forward(self, x, micro_id=0):
+        mu = x.mean(axis=-1, keepdims=True)
+        xc = x - mu
+        rstd = 1.0 / B.xp.sqrt((xc * xc).mean(axis=-1, keepdims=True) + self.eps)
+        xhat = xc * rstd
+        self.save(micro_id, xhat, rstd)
+        return xhat * self.g.data + self.b.data
+
+    def backward(self, dout, micro_id=0):
+        xhat, rstd = self.saved(micro_id)
+        self.g.grad += _rows(dout * xhat).sum(axis=0)
+        self.b.grad += _rows(dout).sum(axis=0)
+        dxhat = dout * self.g.data
+        # d/dx of (x - mean) * rstd: remove the mean of dxhat and its projection on xhat
+        return rstd * (
+            dxhat
+            - dxhat.mean(axis=-1, keepdims=True)
+            - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True)
+        )
+
+    def flops(self, x_shape):
+        return 8 * int(np.prod(x_shape))
+
+
+class Embedding(Module):
+    """Rows of a table: token ids (B, T) -> vectors (B, T, C)."""
+
+    def __init__(self, n, d, std=0.02):
+        super().__init__()
+        self.W = Parameter(n, d, std=std)
+
+    def forward(self, idx, micro_id=0):
+        self.save(micro_id, idx)
+        return self.W.data[idx]  # (B, T, C)
+
+    def backward(self, dout, micro_id=0):
+        (idx,) = self.saved(micro_id)
+        B.xp.add.at(self.W.grad, idx.reshape(-1), _rows(dout))
+        return None  # token ids have no gradient
+
+
+class CausalSelfAttention(Module):
+    """Multi-head self-attention where position t sees positions <= t.
+
+    qkv: one Linear (C -> 3C) whose columns are [q | k | v], each split into H heads of D.
+    """
+
+    def __init__(self, d_model, n_heads):
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
+        self.n_heads = n_heads
+        self.qkv = Linear(d_model, 3 * d_model, std=0.02)
+        self.proj = Linear(d_model, d_model, std=0.02)
+
+    def attend(self, qkv, micro_id):
+        """The attention core on (B, T, 3*H_local*D) -> (B, T, H_local*D); H_local from width."""
+        Bn, T, C3 = qkv.shape
+        C = C3 // 3
+        H = C // self.head_dim
+        q, k, v = (
+            qkv[..., i * C:(i + 1) * C].reshape(Bn, T, H, self.head_dim).transpose(0, 2, 1, 3)
+            for i in range(3)
+        )  # each (B, H, T, D)
+        scale = 1.0 / math.sqrt(self.head_dim)
+        s = (q @ k.transpose(0, 1, 3, 2)) * scale  # (B, H, T, T)
+        s = s + self._mask(T, s.dtype)
+        s = s - s.max(axis=-1, keepdims=True)
+        p = B.xp.exp(s)
+        p /= p.sum(axis=-1, keepdims=True)  # (B, H, T, T) attention weights
+        y = p @ v  # (B, H, T, D)
+        self.save(micro_id, q, k, v, p)
+        return y.transpose(0, 2, 1, 3).reshape(Bn, T, C)  # (B, T, C)
+
+    def attend_backward(self, dy, micro_id):
+        q, k, v, p = self.saved(micro_id)
+        Bn, H, T, D = q.shape
+        dy = dy.reshape(Bn, T, H, D).transpose(0, 2, 1, 3)  # (B, H, T, D)
+        dp = dy @ v.transpose(0, 1, 3, 2)  # (B, H, T, T)
+        dv = p.transpose(0, 1, 3, 2) @ dy  # (B, H, T, D)
+        # softmax backward: ds = p * (dp - sum_j dp_j p_j); masked entries have p = 0
+        ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
+        ds *= 1.0 / math.sqrt(D)
+        dq = ds @ k  # (B, H, T, D)
+        dk = ds.transpose(0, 1, 3, 2) @ q  # (B, H, T, D)
+        parts = [t.transpose(0, 2, 1, 3).reshape(Bn, T, H * D) for t in (dq, dk, dv)]
+        return B.xp.concatenate(parts, axis=-1)  # (B, T, 3C)
+
+    @property
+    def head_dim(self):
+        return self.qkv.W.shape[0] // self.n_heads
+
+    def _mask(self, T, dtype):
+        m = np.triu(np.full((T, T), -np.inf), k=1)  # -inf above the diagonal: no peeking ahead
+        return B.asarray(m, dtype=dtype)
+
+    def forward(self, x, micro_id=0):
+        y = self.attend(self.qkv.forward(x, micro_id), micro_id)
+        return self.proj.forward(y, micro_id)
+
+    def backward(self, dout, micro_id=0):
+        dy = self.proj.backward(dout, micro_id)
+        return self.qkv.backward(self.attend_backward(dy, micro_id), micro_id)
+
+    def flops(self, x_shape):
+        Bn, T, C = x_shape
+        return self.qkv.flops(x_shape) + self.proj.flops(x_shape) + 4 * Bn * T * T * C
+
+
+class FeedForward(Module):
+    """The transformer's MLP: Linear(C, 4C), GELU, Linear(4C, C)."""
+
+    def __init__(self, d_model, d_hidden=None):
+        super().__init__()
+        d_hidden = 4 * d_model if d_hidden is None else d_hidden
+        self.fc = Linear(d_model, d_hidden, std=0.02)
+        self.act = GELU()
+        self.proj = Linear(d_hidden, d_model, std=0.02)
+
+    def forward(self, x, micro_id=0):
+        return self.proj.forward(self.act.forward(self.fc.forward(x, micro_id), micro_id), micro_id)
+
+    def backward(self, dout, micro_id=0):
+        d = self.act.backward(self.proj.backward(dout, micro_id), micro_id)
+        return self.fc.backward(d, micro_id)
+
+    def flops(self, x_shape):
+        hidden = x_shape[:-1] + (self.fc.W.shape[1],)
+        return self.fc.flops(x_shape) + self.proj.flops(hidden)
+
+
+class Block(Module):
+    """Pre-LayerNorm transformer block: x + attn(ln1(x)), then x + mlp(ln2(x))."""
+
+    def __init__(self, d_model, n_heads):
+        super().__init__()
+        self.ln1 = LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_heads)
+        self.ln2 = LayerNorm(d_model)
+        self.mlp = FeedForward(d_model)
+
+    def forward(self, x, micro_id=0):
+        x = x + self.attn.forward(self.ln1.forward(x, micro_id), micro_id)
+        return x + self.mlp.forward(self.ln2.forward(x, micro_id), micro_id)
+
+    def backward(self, dout, micro_id=0):
+        dx = dout + self.ln2.backward(self.mlp.backward(dout, micro_id), micro_id)
+        return dx + self.ln1.backward(self.attn.backward(dx, micro_id), micro_id)
+
+    def flops(self, x_shape):
+        return sum(m.flops(x_shape) for m in (self.ln1, self.attn, self.ln2, self.mlp))
+
+
+class GPTEmbedding(Module):
+    """Token embedding plus learned position embedding: ids (B, T) -> (B, T, C)."""
+
+    def __init__(self, vocab, d_model, seq_len):
+        super().__init__()
+        self.tok = Embedding(vocab, d_model)
+        self.pos = Parameter(seq_len, d_model, std=0.02)
+
+    def forward(self, idx, micro_id=0):
+        T = idx.shape[1]
+        return self.tok.forward(idx, micro_id) + self.pos.data[:T]
+
+    def backward(self, dout, micro_id=0):
+        T = dout.shape[1]
+        self.pos.grad[:T] += dout.sum(axis=0)
+        return self.tok.backward(dout, micro_id)
+
+
+class GPTHead(Module):
+    """Final LayerNorm and the projection to vocabulary logits: (B, T, C) -> (B, T, V)."""
+
+    def __init__(self, d_model, vocab):
+        super().__init__()
+        self.ln = LayerNorm(d_model)
+        self.out = Linear(d_model, vocab, std=0.02)
+
+    def forward(self, x, micro_id=0):
+        return self.out.forward(self.ln.forward(x, micro_id), micro_id)
+
+    def backward(self, dout, micro_id=0):
+        return self.ln.backward(self.out.backward(dout, micro_id), micro_id)
+
+    def flops(self, x_shape):
+        return self.ln.flops(x_shape) + self.out.flops(x_shape)
+
+
+# ----------------------------------------------------------------------------- containers
+class Sequential(Module):
+    """Named layers run in order. ``layers`` is a list of (name, module) pairs, so a pipeline
+    stage can take a slice of it and keep every parameter's canonical name."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = list(layers)
+
+    def named_parameters(self, prefix=""):
+        for name, layer in self.layers:
+            yield from layer.named_parameters(f"{prefix}{name}.")
+
+    def modules(self):
+        yield self
+        for _, layer in self.layers:
+            yield from layer.modules()
+
+    def forward(self, x, micro_id=0):
+        for _, layer in self.layers:
+            x = layer.forward(x, micro_id)
+        return x
+
+    def backward(self, dout, micro_id=0):
+        for _, layer in reversed(self.layers):
+            dout = layer.backward(dout, micro_id)
+        return dout
+
+    def layer_flops(self, x_shape):
+        """Forward FLOPs of each layer for an input of shape x_shape (used to cut pipelines)."""
+        out = []
+        shape = tuple(x_shape)
+        for _, layer in self.layers:
+            out.append(layer.flops(shape))
+            shape = self.out_shape(layer, shape)
+        return out
+
+    @staticmethod
+    def out_shape(layer, shape):
+        if isinstance(layer, Linear):
+            return shape[:-1] + (layer.W.shape[1],)
+        if isinstance(layer, GPTEmbedding):
+            return shape + (layer.pos.shape[1],)
+        if isinstance(layer, GPTHead):
+            return shape[:-1] + (layer.out.W.shape[1],)
+        return shape
+
+    def flops(self, x_shape):
+        return sum(self.layer_flops(x_shape))
+
+
+def MLP(sizes):
+    """Linear layers of the given widths with ReLU between: fc0, act0, fc1, act1, ..., fcN."""
+    layers = []
+    for i, (d_in, d_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+        fc = Linear(d_in, d_out, std=math.sqrt(2.0 / d_in), input_grad=i > 0)  # fc0 sees data
+        layers.append((f"fc{i}", fc))
+        if i < len(sizes) - 2:
+            layers.append((f"act{i}", ReLU()))
+    return Sequential(layers)
+
+
+def GPT(vocab, d_model, n_heads, n_layers, seq_len):
+    """A character-level GPT as a flat sequence: embed, blocks.0 .. blocks.{L-1}, head."""
+    layers = [("embed", GPTEmbedding(vocab, d_model, seq_len))]
+    layers += [(f"blocks.{i}", Block(d_model, n_heads)) for i in range(n_layers)]
+    layers.append(("head", GPTHead(d_model, vocab)))
+    return Sequential(layers)
+
+
+# ----------------------------------------------------------------------------- losses
+class SoftmaxCrossEntropy(Module):
+    """Fused softmax and cross-entropy over the last axis of the logits.
+
+    The loss is the SUM over this rank's rows divided by ``normalizer``, the number of rows in
+    the *global* batch. Every scheme passes the global count, so summing the ranks' gradients
+    (or the micro-batches') gives exactly the serial gradient, with no further scaling.
+    """
+
+    def forward(self, logits, targets, normalizer=None, micro_id=0):
+        z = _rows(logits)  # (N, V)
+        t = targets.reshape(-1)  # (N,)
+        normalizer = z.shape[0] if normalizer is None else normalizer
+        z = z - z.max(axis=1, keepdims=True)
+        logsumexp = B.xp.log(B.xp.exp(z).sum(axis=1))
+        rows = B.xp.arange(z.shape[0])
+        loss = (logsumexp - z[rows, t]).sum() / normalizer
+        self.save(micro_id, z, t, logsumexp, logits.shape, normalizer)
+        return float(loss)
+
+    def backward(self, dout=1.0, micro_id=0):
+        z, t, logsumexp, shape, normalizer = self.saved(micro_id)
+        dz = B.xp.exp(z - logsumexp[:, None])  # softmax
+        dz[B.xp.arange(z.shape[0]), t] -= 1.0
+        dz *= dout / normalizer
+        return dz.reshape(shape)
+
+
+class MSE(Module):
+    """Mean squared error: SUM over this rank's elements / normalizer (global element count)."""
+
+    def forward(self, pred, target, normalizer=None, micro_id=0):
+        diff = pred - target
+        normalizer = diff.size if normalizer is None else normalizer
+        self.save(micro_id, diff, normalizer)
+        return float((diff * diff).sum() / normalizer)
+
+    def backward(self, dout=1.0, micro_id=0):
+        diff, normalizer = self.saved(micro_id)
+        return diff * (2.0 * dout / normalizer)
+
+
+def accuracy(logits, targets):
+    return float((logits.argmax(axis=-1) == targets).mean())

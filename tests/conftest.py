@@ -1,0 +1,60 @@
+"""Shared test helpers: float64 everywhere, and ``mpirun`` as a fixture.
+
+Distributed tests start ``mpirun -n N python tests/mpi/<script>.py`` as a subprocess. A
+script asserts on every rank; one failing assert aborts the job (comm.install_excepthook), so
+the return code tells. A timeout fails with "deadlock?" and every rank's output; a missing
+mpirun is an error, not a skip.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MPI_SCRIPTS = ROOT / "tests" / "mpi"
+
+
+def find_mpirun():
+    for candidate in (Path(sys.executable).parent / "mpirun", shutil.which("mpirun")):
+        if candidate and Path(candidate).exists():
+            return str(candidate)
+    raise RuntimeError("mpirun not found: run `make install` (the mpich wheel provides it)")
+
+
+def run_mpi(n, args, timeout=120, env=None, check=True):
+    """Run ``mpirun -n n python ARGS`` and return the CompletedProcess.
+
+    ``args`` is a script path (str/Path) plus arguments, or ["-m", "mpipar.x", ...]."""
+    cmd = [find_mpirun(), "-n", str(n), sys.executable, *map(str, args)]
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+                    PYTHONPATH=str(ROOT), **(env or {}))
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              env=full_env, cwd=ROOT)
+    except subprocess.TimeoutExpired as err:
+        out, errout = (s.decode() if isinstance(s, bytes) else (s or "")
+                       for s in (err.stdout, err.stderr))
+        pytest.fail(f"deadlock? `{' '.join(cmd)}` did not finish in {timeout} s\n"
+                    f"--- stdout (all ranks)\n{out}\n--- stderr (all ranks)\n{errout}")
+    if check and proc.returncode != 0:
+        pytest.fail(f"`{' '.join(cmd)}` exited {proc.returncode}\n--- stdout\n{proc.stdout}\n"
+                    f"--- stderr\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture
+def mpirun():
+    return run_mpi
+
+
+@pytest.fixture(autouse=True)
+def float64():
+    from mpipar import backend as B
+
+    B.use("numpy", "float64")
+    yield
+    B.use("numpy", "float32")

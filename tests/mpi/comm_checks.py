@@ -1,0 +1,85 @@
+"""mpirun -n 4 python tests/mpi/comm_checks.py: comm's counting, checks and results."""
+
+import numpy as np
+
+from mpipar import comm as C
+
+C.install_excepthook()
+w = C.world()
+p, r = w.size, w.rank
+n = 1000  # float64 elements
+
+# Allreduce: the sum, and n*8 bytes counted each way
+a = np.full(n, r + 1.0)
+w.Allreduce(a)
+assert np.all(a == p * (p + 1) / 2), a[:3]
+assert w.stats["Allreduce"]["calls"] == 1 and w.stats["Allreduce"]["sent"] == 8 * n
+
+# Bcast: root counts (p-1) n bytes sent, each other rank n received
+b = np.arange(n, dtype=np.float64) if r == 0 else np.zeros(n)
+w.Bcast(b, root=0)
+assert np.array_equal(b, np.arange(n))
+expect = (w.stats["Bcast"]["sent"], w.stats["Bcast"]["recv"])
+assert expect == (((p - 1) * 8 * n, 0) if r == 0 else (0, 8 * n)), expect
+
+# Reduce
+out = np.zeros(n)
+w.Reduce(np.full(n, float(r)), out, root=0)
+if r == 0:
+    assert np.all(out == sum(range(p))) and w.stats["Reduce"]["recv"] == (p - 1) * 8 * n
+else:
+    assert w.stats["Reduce"]["sent"] == 8 * n
+
+# Scatterv of 10 rows over p ranks, uneven
+counts = C.split_rows(10, p)
+full = np.arange(10 * 3, dtype=np.float64).reshape(10, 3)
+mine = np.empty((counts[r], 3))
+w.Scatterv(full if r == 0 else None, counts, mine, root=0)
+start = sum(counts[:r])
+assert np.array_equal(mine, full[start:start + counts[r]])
+back = np.zeros((10, 3)) if r == 0 else None
+w.Gatherv(mine, counts, back, root=0)
+if r == 0:
+    assert np.array_equal(back, full)
+
+# Allgather and Reduce_scatter
+g = np.empty((p, 2))
+w.Allgather(np.full((1, 2), float(r)), g)
+assert np.array_equal(g[:, 0], np.arange(p))
+rs = np.empty(2)
+w.Reduce_scatter(np.ones(2 * p), rs)
+assert np.all(rs == p)
+
+# Point to point in a ring with Sendrecv: one message each, counted
+w.reset_stats()
+recv = np.empty(5)
+w.Sendrecv(np.full(5, float(r)), (r + 1) % p, recv, (r - 1) % p)
+assert np.all(recv == (r - 1) % p)
+assert dict(w.stats["Sendrecv"]) == {"calls": 1, "sent": 40, "recv": 40, "messages": 1}
+
+# A transposed view is refused before MPI sees it, on every rank
+m = np.arange(12.0).reshape(3, 4)
+for call in (lambda: w.Send(m.T, (r + 1) % p), lambda: w.Allreduce(m[:, ::2]),
+             lambda: w.Bcast(m.T)):
+    try:
+        call()
+    except ValueError as err:
+        assert "non-contiguous" in str(err)
+    else:
+        raise AssertionError("a non-contiguous array was sent")
+assert w.total("messages") == 1  # the refused sends were not counted
+
+# A message of the wrong size is an error, not a silent partial receive
+if r == 0:
+    w.Send(np.zeros(3), 1, tag=9)
+elif r == 1:
+    try:
+        w.Recv(np.zeros(4), 0, tag=9)
+    except ValueError as err:
+        assert "got 24 bytes" in str(err), err
+    else:
+        raise AssertionError("a short message was accepted")
+
+w.Barrier()
+if r == 0:
+    print("comm checks passed", flush=True)

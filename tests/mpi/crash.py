@@ -1,0 +1,14 @@
+"""One rank raises while the others wait in a collective: the whole job must end."""
+
+import sys
+
+import numpy as np
+
+from mpipar import comm as C
+
+C.install_excepthook()
+w = C.world()
+if w.rank == int(sys.argv[1]):
+    raise RuntimeError(f"deliberate failure on rank {w.rank}")
+w.Allreduce(np.ones(4))  # the others wait here for a rank that is gone
+print("unreachable", flush=True)

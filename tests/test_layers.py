@@ -1,0 +1,162 @@
+"""Finite-difference checks, in float64, of every layer's input and parameter gradients."""
+
+import numpy as np
+import pytest
+
+from mpipar import nn
+
+RNG = np.random.default_rng(0)
+
+
+def numeric_grad(f, a, idx, h=1e-6):
+    old = a[idx]
+    a[idx] = old + h
+    up = f()
+    a[idx] = old - h
+    down = f()
+    a[idx] = old
+    return (up - down) / (2 * h)
+
+
+def sample(shape, k=12):
+    """Up to k entries of an array of this shape, always including the first and last."""
+    flat = RNG.choice(int(np.prod(shape)), size=min(k, int(np.prod(shape))), replace=False)
+    picks = {0, int(np.prod(shape)) - 1, *map(int, flat)}
+    return [np.unravel_index(i, shape) for i in sorted(picks)]
+
+
+def gradcheck(module, x, name, tol=1e-6, check_input=True):
+    """Compare backward with central differences of L = sum(forward(x) * dout)."""
+    module.init(seed=1)
+    for p in module.parameters():  # non-trivial values, also for LayerNorm's ones/zeros
+        p.data += RNG.normal(0, 0.1, p.data.shape)
+    dout = RNG.standard_normal(module.forward(x).shape)
+    module.clear_cache()  # drop what the shape probe cached
+
+    def loss():
+        out = module.forward(x, micro_id=7)
+        for m in module.modules():
+            m._cache.pop(7, None)
+        return float((out * dout).sum())
+
+    module.zero_grad()
+    module.forward(x, micro_id=3)
+    dx = module.backward(dout, micro_id=3)
+    for m in module.modules():
+        assert not m._cache, f"{name}: backward left a cache entry in {type(m).__name__}"
+    targets = [("input", x, dx)] if check_input else []
+    targets += [(pname, p.data, p.grad) for pname, p in module.named_parameters()]
+    for label, arr, grad in targets:
+        for idx in sample(arr.shape):
+            num = numeric_grad(loss, arr, idx)
+            err = abs(num - grad[idx]) / max(1.0, abs(num), abs(grad[idx]))
+            assert err < tol, (f"{name}: d{label}{[int(i) for i in idx]} is wrong: backward gives "
+                               f"{grad[idx]:.8g}, finite differences {num:.8g}")
+
+
+def x3(shape=(2, 5, 8)):
+    return RNG.standard_normal(shape)
+
+
+@pytest.mark.parametrize("name,make,shape", [
+    ("Linear", lambda: nn.Linear(8, 6), (2, 5, 8)),
+    ("Linear (2-d input)", lambda: nn.Linear(8, 3), (7, 8)),
+    ("ReLU", nn.ReLU, (4, 9)),
+    ("GELU", nn.GELU, (3, 4, 5)),
+    ("LayerNorm", lambda: nn.LayerNorm(8), (2, 5, 8)),
+    ("CausalSelfAttention", lambda: nn.CausalSelfAttention(8, 2), (2, 5, 8)),
+    ("FeedForward", lambda: nn.FeedForward(8), (2, 5, 8)),
+    ("Block", lambda: nn.Block(8, 2), (2, 5, 8)),
+    ("GPTHead", lambda: nn.GPTHead(8, 11), (2, 5, 8)),
+    ("MLP", lambda: nn.MLP([8, 7, 6, 3]), (5, 8)),
+])
+def test_layer_gradients(name, make, shape):
+    x = RNG.standard_normal(shape)
+    if name == "ReLU":
+        x[np.abs(x) < 1e-3] = 0.5  # keep finite differences away from the kink
+    module = make()
+    gradcheck(module, x, name, check_input=name != "MLP")  # the MLP's fc0 is fed by data
+
+
+def test_mlp_skips_the_data_gradient():
+    mlp = nn.MLP([4, 5, 3]).init(0)
+    mlp.forward(np.ones((2, 4)))
+    assert mlp.backward(np.ones((2, 3))) is None
+
+
+def test_embedding_gradients():
+    idx = RNG.integers(0, 11, (3, 5))
+    idx[0, :2] = 4  # a repeated token: its gradient rows must add up
+    gradcheck(nn.GPTEmbedding(11, 8, seq_len=6), idx, "GPTEmbedding", check_input=False)
+
+
+def test_gpt_gradients():
+    idx = RNG.integers(0, 13, (2, 6))
+    gradcheck(nn.GPT(13, 8, 2, 2, 6), idx, "GPT", check_input=False)
+
+
+@pytest.mark.parametrize("loss_cls", [nn.SoftmaxCrossEntropy, nn.MSE])
+def test_loss_gradients(loss_cls):
+    logits = RNG.standard_normal((4, 3, 5))
+    target = RNG.integers(0, 5, (4, 3)) if loss_cls is nn.SoftmaxCrossEntropy else \
+        RNG.standard_normal((4, 3, 5))
+    fn = loss_cls()
+    fn.forward(logits, target, normalizer=17)
+    d = fn.backward()
+    for idx in sample(logits.shape):
+        def f():
+            return loss_cls().forward(logits, target, normalizer=17)
+        num = numeric_grad(f, logits, idx)
+        where = [int(i) for i in idx]
+        assert abs(num - d[idx]) < 1e-7, f"{loss_cls.__name__}: dlogits{where} is wrong"
+
+
+def test_attention_is_causal():
+    """Changing a later position must not change an earlier output."""
+    attn = nn.CausalSelfAttention(8, 2).init(0)
+    x = RNG.standard_normal((1, 6, 8))
+    y1 = attn.forward(x)
+    x[0, 4] += 1.0
+    y2 = attn.forward(x, micro_id=1)
+    np.testing.assert_array_equal(y1[0, :4], y2[0, :4])
+    assert not np.allclose(y1[0, 4:], y2[0, 4:])
+
+
+def test_cache_is_per_micro_batch():
+    """Two micro-batches in flight: backward of the first must use the first's activations."""
+    mlp = nn.MLP([4, 5, 3]).init(0)
+    a, b = RNG.standard_normal((2, 4)), RNG.standard_normal((2, 4))
+    dout = RNG.standard_normal((2, 3))
+    mlp.forward(a, micro_id=0)
+    mlp.forward(b, micro_id=1)
+    mlp.zero_grad()
+    mlp.backward(dout, micro_id=0)
+    interleaved = [p.grad.copy() for p in mlp.parameters()]
+    ref = nn.MLP([4, 5, 3]).init(0)
+    ref.forward(a)
+    ref.backward(dout)
+    for g, r in zip(interleaved, (p.grad for p in ref.parameters())):
+        np.testing.assert_array_equal(g, r)
+
+
+def test_init_depends_on_seed_and_name_only():
+    """A slice of the model built alone starts with the serial model's weights."""
+    full = nn.GPT(11, 8, 2, 3, 6).init(5)
+    part = nn.Sequential(full.layers[2:4])  # blocks.1, blocks.2
+    alone = nn.GPT(11, 8, 2, 3, 6)
+    stage = nn.Sequential(alone.layers[2:4]).init(5)
+    names = [n for n, _ in stage.named_parameters()]
+    assert names[0].startswith("blocks.1.")
+    for (n1, p1), (n2, p2) in zip(part.named_parameters(), stage.named_parameters()):
+        assert n1 == n2
+        np.testing.assert_array_equal(p1.data, p2.data)
+    other = nn.GPT(11, 8, 2, 3, 6).init(6)
+    assert not np.array_equal(other.parameters()[0].data, full.parameters()[0].data)
+
+
+def test_canonical_names():
+    names = [n for n, _ in nn.GPT(11, 8, 2, 2, 6).named_parameters()]
+    assert names[:2] == ["embed.tok.W", "embed.pos"]
+    assert "blocks.1.attn.qkv.W" in names and names[-1] == "head.out.b"
+    assert [n for n, _ in nn.MLP([4, 5, 3]).named_parameters()] == \
+        ["fc0.W", "fc0.b", "fc1.W", "fc1.b"]

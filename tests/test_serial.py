@@ -1,0 +1,52 @@
+"""The serial trainer learns, and --save-params round-trips."""
+
+import numpy as np
+
+from mpipar import backend as B
+from mpipar import data, serial
+
+
+def test_mlp_reaches_95_percent(capsys):
+    serial.main(["--model", "mlp", "--quiet"])
+    out = capsys.readouterr().out
+    acc = float(out.split("test accuracy")[1].split()[0])
+    assert acc >= 0.95, out
+
+
+def test_gpt_beats_character_frequencies(capsys):
+    serial.main(["--model", "gpt", "--quiet", "--steps", "120"])
+    out = capsys.readouterr().out
+    val = float(out.split("val loss")[1].split(",")[0])
+    unigram = float(out.split("unigram loss")[1].split()[0])
+    assert val < unigram - 0.3, out
+
+
+def test_save_params_round_trip(tmp_path, capsys):
+    path = tmp_path / "p.npz"
+    serial.main(["--model", "gpt", "--quiet", "--steps", "2", "--dtype", "float64",
+                 "--d-model", "16", "--n-layers", "2", "--seq-len", "8",
+                 "--save-params", str(path)])
+    saved = serial.load_params(path)
+    args = serial.finish_args(serial.add_common_args(__import__("argparse").ArgumentParser())
+                              .parse_args(["--model", "gpt", "--dtype", "float64", "--d-model",
+                                           "16", "--n-layers", "2", "--seq-len", "8",
+                                           "--steps", "2"]))
+    task = serial.Task(args)
+    model = task.build_model().init(0)
+    opt = serial.make_optimizer(args, model.parameters())
+    for step in range(2):
+        serial.train_step(model, task.loss_fn, opt, *task.to_device(*task.batch(step)))
+    names = [n for n, _ in model.named_parameters()]
+    assert sorted(saved) == sorted(names)
+    for n, p in model.named_parameters():
+        np.testing.assert_array_equal(saved[n], B.to_numpy(p.data), err_msg=n)
+    assert saved["blocks.1.attn.qkv.W"].dtype == np.float64
+
+
+def test_batches_depend_on_seed_and_step_only():
+    a, b = data.Digits(3), data.Digits(3)
+    np.testing.assert_array_equal(a.batch(7, 32)[0], b.batch(7, 32)[0])
+    assert not np.array_equal(a.batch(7, 32)[0], a.batch(8, 32)[0])
+    t = data.Text(0)
+    x, y = t.batch(0, 4, 16)
+    np.testing.assert_array_equal(x[:, 1:], y[:, :-1])  # the target is the next character
