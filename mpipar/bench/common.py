@@ -24,7 +24,6 @@ def environment(ranks=1, threads=1):
     """The columns every CSV row carries: versions, cores, ranks, threads."""
     import mpi4py
     import numpy
-
     from mpi4py import MPI
 
     return {
