@@ -20,7 +20,7 @@ from mpipar import data, nn, optim
 
 DEFAULTS = {  # per model: what trains well within a minute on 2 cores
     "mlp": dict(steps=300, batch_size=64, lr=0.05, optim="sgd"),
-    "gpt": dict(steps=150, batch_size=16, lr=3e-3, optim="adam"),
+    "gpt": dict(steps=250, batch_size=32, lr=3e-3, optim="adam"),
 }
 
 
@@ -30,8 +30,8 @@ def add_common_args(ap):
     g = ap.add_argument_group("training (shared by every scheme)")
     g.add_argument("--model", choices=["mlp", "gpt"], default="mlp",
                    help="mlp: MLP on 8x8 digits; gpt: character-level GPT on text (default mlp)")
-    g.add_argument("--steps", type=int, help="optimizer steps (mlp 300, gpt 150)")
-    g.add_argument("--batch-size", type=int, help="global batch size (mlp 64, gpt 16)")
+    g.add_argument("--steps", type=int, help="optimizer steps (mlp 300, gpt 250)")
+    g.add_argument("--batch-size", type=int, help="global batch size (mlp 64, gpt 32)")
     g.add_argument("--lr", type=float, help="learning rate (mlp 0.05, gpt 3e-3)")
     g.add_argument("--optim", choices=["sgd", "adam", "adamw"], help="mlp: sgd, gpt: adam")
     g.add_argument("--seed", type=int, default=0, help="seeds the weights and the batches")
@@ -47,8 +47,8 @@ def add_common_args(ap):
                    default=[64, 128, 64, 10], help="MLP widths (default 64,128,64,10)")
     m.add_argument("--d-model", type=int, default=64, help="GPT width (default 64)")
     m.add_argument("--n-heads", type=int, default=4, help="GPT attention heads (default 4)")
-    m.add_argument("--n-layers", type=int, default=4, help="GPT blocks (default 4)")
-    m.add_argument("--seq-len", type=int, default=64, help="GPT context length (default 64)")
+    m.add_argument("--n-layers", type=int, default=2, help="GPT blocks (default 2)")
+    m.add_argument("--seq-len", type=int, default=32, help="GPT context length (default 32)")
     return ap
 
 
