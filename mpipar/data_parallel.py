@@ -1,0 +1,484 @@
+"""Data parallelism: P replicas of the whole model, each trained on a shard of the global batch,
+with the gradients summed over the replicas so that every step equals the serial one.
+
+The seed's scheme (``--sync master``, the default), one banner per step below:
+
+1. The master (rank 0) builds the model and sends every parameter to every worker with Bcast.
+   The workers build a model too (they need its shapes), but the Bcast overwrites its values.
+2. The master holds the global batch of B rows and splits it along the batch dimension with
+   Scatterv: rank r gets ``split_rows(B, P)[r]`` rows (uneven when P does not divide B).
+3. Each worker runs forward and backward on its shard. The loss is the SUM over the local rows
+   divided by the number of targets in the GLOBAL batch, so the workers' gradients add up to
+   the serial gradient with no further scaling (also over ``--micro-batches m``).
+4. The master collects the gradients with Reduce(SUM) and updates the parameters.
+5. The master broadcasts the updated parameters for the next batch.
+
+In steps 4 and 5 all gradients (all parameters) travel as ONE contiguous flat buffer: one
+Reduce and one Bcast of |theta| values per step instead of one call per tensor.
+
+The production variants, each a flag, each giving the same parameters as the serial trainer:
+
+- ``--sync allreduce``: step 2 without Scatterv (every rank makes the global batch from
+  (seed, step) and takes its own rows), step 4 an Allreduce of the gradients after which every
+  rank updates its own replica with the same numbers; step 5 is not needed.
+- ``--sync ring``: the same with :func:`ring_allreduce`, written by hand from Sendrecv:
+  reduce-scatter around the ring, then allgather (Patarasuk & Yuan 2009; Horovod).
+- ``--bucket-mb X``: gradients grouped into buckets of about X MiB in reverse parameter order,
+  one allreduce per bucket; ``--overlap`` starts each bucket's non-blocking Iallreduce as soon as
+  the backward has produced its last gradient, and waits once before the optimizer step
+  (PyTorch DDP, Li et al. 2020, arXiv:2006.15704, section 3.2.3). The backward then runs layer
+  by layer over ``model.layers`` (:func:`backward_layers`) to see which buckets are complete.
+- ``--zero 1``: ZeRO stage 1 (Rajbhandari et al. 2020, arXiv:1910.02054, section 5.1): the
+  gradients are reduce-scattered, each rank updates only its 1/P shard of the flat parameters
+  (optimizer state per rank falls by P), then the parameters are allgathered (in step 5).
+- ``--micro-batches m``: each rank splits its shard into m micro-batches and accumulates their
+  gradients before the synchronisation (with ``--overlap``, buckets start during the last one).
+- ``--explain``: for the first step, every rank prints each seed step and each MPI call it
+  makes: partners, bytes, time.
+
+Communication per rank per step, n = |theta| bytes (alpha-beta costs: ../REFERENCE.md table):
+
+    master     worker: sends n (Reduce), receives n (Bcast) and its rows (Scatterv);
+               root: receives (P-1) n and sends (P-1) n  -- the root is the bottleneck.
+               MPI's trees give about 2 lg P (alpha + n beta) + lg P n gamma.
+    allreduce  n each way in one Allreduce: 2(P-1) alpha + 2(P-1)/P n beta + (P-1)/P n gamma.
+    ring       exactly 2(P-1) messages and 2(P-1)/P n bytes sent (when P divides the element
+               count; otherwise within two elements of it, see ring_allreduce).
+    buckets    the same bytes in k calls: k times the latency term.
+    zero 1     reduce-scatter + allgather: 2(P-1)/P n, as the ring (plus < P elements padding).
+
+Run:
+
+    mpirun -n 4 python -m mpipar.data_parallel --model mlp
+    mpirun -n 4 python -m mpipar.data_parallel --model gpt --sync ring --explain --steps 2
+    mpirun -n 4 python -m mpipar.data_parallel --sync allreduce --bucket-mb 0.05 --overlap
+    mpirun -n 4 python -m mpipar.data_parallel --sync allreduce --zero 1 --optim adam
+
+Left out on purpose: ZeRO stages 2 and 3 (sharded gradients and parameters), gradient
+compression, mixed precision, bucketed ZeRO, an overlapped ring (the hand-written ring is
+blocking: overlapping it needs a communication thread), and asynchronous (stale) updates.
+"""
+
+import argparse
+import math
+
+from mpipar import backend as B
+from mpipar import comm, nn, serial
+from mpipar.grid import Grid
+from mpipar.trace import TRACE
+
+
+# ----------------------------------------------------------------------------- communication
+def flatten(arrays, out):
+    """Copy arrays one after another into the contiguous 1-D buffer ``out`` (MPI refuses
+    non-contiguous memory, and one large message beats many small ones)."""
+    i = 0
+    for a in arrays:
+        out[i:i + a.size] = a.reshape(-1)
+        i += a.size
+    return out
+
+
+def unflatten(flat, arrays):
+    """The inverse of :func:`flatten`: copy consecutive pieces of ``flat`` back into arrays."""
+    i = 0
+    for a in arrays:
+        a[...] = flat[i:i + a.size].reshape(a.shape)
+        i += a.size
+
+
+def bcast_params(dp_comm, params, flat, root=0):
+    """Every rank's parameters become root's: one Bcast of the flat buffer of all of them."""
+    if dp_comm.rank == root:
+        flatten([p.data for p in params], flat)
+    dp_comm.Bcast(flat, root=root)
+    unflatten(flat, [p.data for p in params])
+
+
+def ring_allreduce(dp_comm, buf):
+    """In place: ``buf`` (1-D, contiguous) becomes the SUM of every rank's ``buf``.
+
+    The buffer is cut into P chunks (``array_split``: sizes differ by at most one element).
+    Reduce-scatter: at step k, rank r sends chunk (r - k) to its right neighbour and adds the
+    chunk (r - k - 1) that arrives from its left one; after P-1 steps rank r holds the full sum
+    of chunk (r + 1). Allgather: at step k, rank r forwards chunk (r + 1 - k) and stores chunk
+    (r - k). Each finished chunk is summed on one rank only and copied verbatim, so the replicas
+    are bitwise identical.
+
+    Rank r sends 2(P-1) messages holding every chunk but (r+1) and (r+2): 2n - c[r+1] - c[r+2]
+    elements, which is exactly 2(P-1)/P * n when P divides n and otherwise differs from it by
+    less than two elements.
+    """
+    p, r = dp_comm.size, dp_comm.rank
+    if p == 1:
+        return buf
+    chunks = B.xp.array_split(buf, p)  # contiguous views into buf
+    right, left = (r + 1) % p, (r - 1) % p
+    incoming = B.xp.empty(chunks[0].size, dtype=buf.dtype)
+    for k in range(p - 1):  # reduce-scatter
+        send, mine = chunks[(r - k) % p], chunks[(r - k - 1) % p]
+        got = incoming[:mine.size]
+        dp_comm.Sendrecv(send, right, got, left)
+        mine += got
+    for k in range(p - 1):  # allgather
+        dp_comm.Sendrecv(chunks[(r + 1 - k) % p], right, chunks[(r - k) % p], left)
+    return buf
+
+
+def make_buckets(params, bucket_bytes=None):
+    """Group parameters in REVERSE order (the order backward finishes them) into buckets that
+    close once they hold at least ``bucket_bytes``; None puts everything in one bucket."""
+    buckets, current, size = [], [], 0
+    for p in reversed(params):
+        current.append(p)
+        size += p.data.nbytes
+        if bucket_bytes is not None and size >= bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class Bucket:
+    """Some parameters' gradients and the contiguous buffer they travel in."""
+
+    def __init__(self, params):
+        self.params = params
+        self.flat = B.xp.empty(sum(p.size for p in params), dtype=params[0].data.dtype)
+        self.request = None
+
+    def pack(self):
+        flatten([p.grad for p in self.params], self.flat)
+
+    def unpack(self):
+        unflatten(self.flat, [p.grad for p in self.params])
+
+
+def _progress(requests):
+    """Let MPI advance posted requests. MPICH moves a non-blocking collective forward only
+    inside MPI calls (no progress thread), so without this an Iallreduce posted during
+    backward would mostly run in the final wait."""
+    for req in requests:
+        if req is not None and not req.done:
+            req.mpi_request.Test()
+
+
+class GradSync:
+    """Sum the gradients of ``params`` over ``dp_comm`` (the reusable core of steps 3-4).
+
+    ``algo`` "allreduce" (MPI's Allreduce) or "ring" (:func:`ring_allreduce`);
+    ``bucket_mb`` None: one bucket; ``overlap``: call :meth:`start` before the backward that
+    completes the gradients and :meth:`grads_ready` as it finishes each layer's parameters;
+    buckets are then launched (Iallreduce) as they fill, in bucket order on every rank.
+    :meth:`finish` launches what is left, waits, and copies the sums back into ``p.grad``.
+    """
+
+    def __init__(self, dp_comm, params, algo="allreduce", bucket_mb=None, overlap=False):
+        if algo not in ("allreduce", "ring"):
+            raise ValueError(f"unknown algorithm {algo!r}: allreduce or ring")
+        if overlap and algo != "allreduce":
+            raise ValueError("overlap needs the non-blocking Iallreduce (algo='allreduce')")
+        self.comm, self.algo, self.overlap = dp_comm, algo, overlap
+        cap = None if bucket_mb is None else bucket_mb * 2**20
+        self.buckets = [Bucket(ps) for ps in make_buckets(list(params), cap)]
+        self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
+        self.start()
+
+    def start(self):
+        self.missing = [len(b.params) for b in self.buckets]  # gradients not yet final
+        self.n_launched = 0
+        self.n_ready = 0
+        self.launched_after = []  # how many gradients were final as each bucket launched
+
+    def grads_ready(self, params):
+        for p in params:
+            self.missing[self.bucket_of[id(p)]] -= 1
+        self.n_ready += len(params)
+        if self.overlap:
+            while self.n_launched < len(self.buckets) and self.missing[self.n_launched] == 0:
+                self._launch()
+            _progress(b.request for b in self.buckets)
+
+    def _launch(self):
+        b = self.buckets[self.n_launched]
+        self.n_launched += 1
+        self.launched_after.append(self.n_ready)
+        b.pack()
+        if self.algo == "allreduce":
+            b.request = self.comm.Iallreduce(b.flat)
+        else:
+            ring_allreduce(self.comm, b.flat)
+
+    def finish(self):
+        while self.n_launched < len(self.buckets):
+            self._launch()
+        for b in self.buckets:
+            if b.request is not None:
+                b.request.wait()
+                b.request = None
+            b.unpack()
+        self.launch_log = self.launched_after  # kept for the tests
+        self.start()  # ready for the next step
+
+
+def backward_layers(model, dout, micro_id, grads_ready):
+    """``model.backward`` of an nn.Sequential, one layer at a time, telling ``grads_ready``
+    which parameters are final after each layer (what DDP's autograd hooks do)."""
+    for _, layer in reversed(model.layers):
+        dout = layer.backward(dout, micro_id)
+        grads_ready(layer.parameters())
+    return dout
+
+
+class ZeroOptimizer:
+    """ZeRO stage 1 around any elementwise optimizer (the reusable core of steps 4-5).
+
+    The parameters are seen as one flat vector padded to a multiple of P (Reduce_scatter works
+    on equal blocks); rank r owns block r, a Parameter ``shard`` whose optimizer state (Adam's
+    m and v) is 1/P of the full state. The shard is the master copy of its slice: parameters
+    change only through :meth:`step`. Updates are elementwise, so a shard's update is exactly
+    its slice of the full update.
+    """
+
+    def __init__(self, dp_comm, params, make_opt):
+        self.comm, self.params = dp_comm, list(params)
+        self.n = sum(p.size for p in self.params)
+        self.shard_size = -(-self.n // dp_comm.size)  # ceil(n / P)
+        self.flat = B.xp.zeros(self.shard_size * dp_comm.size, dtype=self.params[0].data.dtype)
+        flatten([p.data for p in self.params], self.flat)
+        lo = dp_comm.rank * self.shard_size
+        self.shard = nn.Parameter(self.shard_size)
+        self.shard.name = f"zero1.shard{dp_comm.rank}"
+        self.shard.set(B.to_numpy(self.flat[lo:lo + self.shard_size]).copy())  # MPI: no aliasing
+        self.opt = make_opt([self.shard])
+
+    def reduce_scatter_grads(self):
+        """shard.grad = the sum over ranks of this rank's block of the flat gradient."""
+        flatten([p.grad for p in self.params], self.flat)  # padding stays zero
+        self.comm.Reduce_scatter(self.flat, self.shard.grad)
+
+    def update(self):
+        self.opt.step()
+
+    def allgather_params(self):
+        self.comm.Allgather(self.shard.data, self.flat)
+        unflatten(self.flat[:self.n], [p.data for p in self.params])
+
+    def step(self):
+        self.reduce_scatter_grads()
+        self.update()
+        self.allgather_params()
+
+    def state_bytes(self):
+        return self.opt.state_bytes()
+
+
+# ----------------------------------------------------------------------------- the scheme
+class DataParallel:
+    """One replica of the data-parallel trainer: ``__init__`` is step 1, :meth:`step` runs
+    steps 2 to 5 for one global batch and returns the global loss."""
+
+    def __init__(self, args, task, dp_comm, model):
+        self.args, self.task, self.comm, self.model = args, task, dp_comm, model
+        self.params = model.parameters()
+        self.rank, self.size = dp_comm.rank, dp_comm.size
+        self.is_master = self.rank == 0
+        self.rows = comm.split_rows(args.batch_size, self.size)  # rows of the batch per rank
+        self.n = sum(p.size for p in self.params)
+        self.flat = B.xp.empty(self.n, dtype=B.dtype)  # all parameters (or gradients), flat
+        self.meta = None  # trailing shapes and dtypes of x and y, learned from the master
+        self.sync = None
+        comm.EXPLAIN = bool(args.explain)
+
+        # -- DP Step 1: the master sends every parameter to every worker (Bcast) --
+        comm.narrate(f"DP Step 1: rank 0 broadcasts all {self.n:,} parameters "
+                     f"({self.flat.nbytes:,} bytes, one flat buffer); workers overwrite theirs")
+        bcast_params(dp_comm, self.params, self.flat, root=0)
+        if args.sync == "master":  # only the master updates, so only it keeps optimizer state
+            self.opt = serial.make_optimizer(args, self.params) if self.is_master else None
+            self.flat_sum = B.xp.empty_like(self.flat) if self.is_master else None
+        elif args.zero:
+            self.opt = ZeroOptimizer(dp_comm, self.params,
+                                     lambda ps: serial.make_optimizer(args, ps))
+        else:
+            self.opt = serial.make_optimizer(args, self.params)
+            self.sync = GradSync(dp_comm, self.params, args.sync, args.bucket_mb, args.overlap)
+
+    def step(self, step):
+        a, task, dp_comm, r = self.args, self.task, self.comm, self.rank
+        self.model.zero_grad()
+        n_rows, lo = self.rows[r], sum(self.rows[:r])
+
+        # -- DP Step 2: the master splits the global batch along the batch dimension (Scatterv) --
+        if a.sync == "master":
+            comm.narrate(f"DP Step 2: rank 0 scatters the {a.batch_size} rows of the global "
+                         f"batch, {self.rows} rows per rank")
+            with TRACE.span("sync", "DP Step 2"):
+                x_all = y_all = None
+                if self.is_master:
+                    x_all, y_all = task.to_device(*task.batch(step))
+                if self.meta is None:  # once: the trailing shapes and dtypes of x and y
+                    self.meta = dp_comm.bcast_obj(
+                        (x_all.shape[1:], x_all.dtype.str, y_all.shape[1:], y_all.dtype.str)
+                        if self.is_master else None)
+                x_tail, x_dtype, y_tail, y_dtype = self.meta
+                x = B.xp.empty((n_rows,) + x_tail, dtype=x_dtype)  # (rows, ...)
+                y = B.xp.empty((n_rows,) + y_tail, dtype=y_dtype)
+                dp_comm.Scatterv(x_all, self.rows, x)
+                dp_comm.Scatterv(y_all, self.rows, y)
+            normalizer = a.batch_size * math.prod(y_tail)  # targets in the GLOBAL batch
+        else:  # every rank can make the global batch from (seed, step): take own rows
+            comm.narrate(f"DP Step 2: no message: rank {r} takes rows {lo}..{lo + n_rows - 1} "
+                         f"of the global batch, which every rank makes from (seed, step)")
+            x_host, y_host = task.batch(step)
+            x, y = task.to_device(x_host[lo:lo + n_rows], y_host[lo:lo + n_rows])
+            normalizer = y_host.size  # targets in the GLOBAL batch
+
+        # -- DP Step 3: each worker runs forward and backward on its shard --
+        comm.narrate(f"DP Step 3: rank {r} runs forward and backward on its {n_rows} rows in "
+                     f"{a.micro_batches} micro-batch(es); loss divided by the global "
+                     f"{normalizer} targets")
+        loss = 0.0
+        micro_rows = comm.split_rows(n_rows, a.micro_batches)
+        start = 0
+        for micro_id, m_rows in enumerate(micro_rows):
+            with TRACE.span("compute", "forward", micro=micro_id):
+                xs, ys = x[start:start + m_rows], y[start:start + m_rows]
+                start += m_rows
+                logits = self.model.forward(xs, micro_id)
+                loss += task.loss_fn.forward(logits, ys, normalizer, micro_id)
+            with TRACE.span("compute", "backward", micro=micro_id):
+                dlogits = task.loss_fn.backward(1.0, micro_id)
+                if self.sync is not None and self.sync.overlap and micro_id == len(micro_rows) - 1:
+                    self.sync.start()  # gradients become final during this backward
+                    backward_layers(self.model, dlogits, micro_id, self.sync.grads_ready)
+                else:
+                    self.model.backward(dlogits, micro_id)
+
+        # -- DP Step 4: the gradients are summed (Reduce to the master) and the model updated --
+        if a.sync == "master":
+            comm.narrate(f"DP Step 4: Reduce(SUM) of {self.n:,} gradient values "
+                         f"({self.flat.nbytes:,} bytes) to rank 0, which updates the model")
+            with TRACE.span("sync", "DP Step 4"):
+                flatten([p.grad for p in self.params], self.flat)
+                dp_comm.Reduce(self.flat, self.flat_sum, root=0)
+            if self.is_master:
+                unflatten(self.flat_sum, [p.grad for p in self.params])
+                self.opt.step()
+        elif a.zero:
+            comm.narrate(f"DP Step 4: Reduce_scatter of the gradients; rank {r} updates its "
+                         f"shard of {self.opt.shard_size:,} values")
+            with TRACE.span("sync", "DP Step 4"):
+                self.opt.reduce_scatter_grads()
+            self.opt.update()
+        else:
+            comm.narrate(f"DP Step 4: {a.sync} of the gradients in {len(self.sync.buckets)} "
+                         f"bucket(s); every rank applies the same update to its replica")
+            with TRACE.span("sync", "DP Step 4"):
+                self.sync.finish()
+            self.opt.step()
+
+        # -- DP Step 5: the master broadcasts the updated parameters for the next batch --
+        with TRACE.span("sync", "DP Step 5"):
+            if a.sync == "master":
+                comm.narrate("DP Step 5: rank 0 broadcasts the updated parameters")
+                bcast_params(dp_comm, self.params, self.flat, root=0)
+            elif a.zero:
+                comm.narrate(f"DP Step 5: Allgather of the updated shards ({self.flat.nbytes:,}"
+                             " bytes of parameters in all)")
+                self.opt.allgather_params()
+            else:
+                comm.narrate("DP Step 5: nothing to send: every replica made the same update")
+        if step == 0:
+            comm.EXPLAIN = False
+        return sum(dp_comm.allgather_obj(loss))  # small metadata: P floats
+
+    def optimizer_state_bytes(self):
+        return 0 if self.opt is None else self.opt.state_bytes()
+
+
+# ----------------------------------------------------------------------------- command line
+def parse_args(argv, dp_size):
+    """The serial trainer's flags plus the data-parallel ones. Every rank runs the same checks
+    and refuses bad input with one message (comm.refuse), so none is left waiting."""
+    ap = argparse.ArgumentParser(prog="mpirun -n P python -m mpipar.data_parallel",
+                                 description="Train with P data-parallel replicas.")
+    ap.error = lambda message: comm.refuse(f"{message} (see --help)")
+    serial.add_common_args(ap)
+    g = ap.add_argument_group("data parallelism")
+    g.add_argument("--sync", default="master", choices=["master", "allreduce", "ring"],
+                   help="master: the seed's Reduce + Bcast through rank 0 (default); allreduce: "
+                        "MPI Allreduce; ring: a ring allreduce written from Sendrecv")
+    g.add_argument("--bucket-mb", type=float, default=None,
+                   help="gradient buckets of about X MiB, reverse layer order (default: one "
+                        "bucket; 25 with --overlap, as PyTorch DDP)")
+    g.add_argument("--overlap", action="store_true",
+                   help="start each bucket's Iallreduce during backward (--sync allreduce)")
+    g.add_argument("--zero", type=int, default=0, choices=[0, 1],
+                   help="1: shard the optimizer state over the ranks (ZeRO stage 1)")
+    g.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps")
+    g.add_argument("--explain", action="store_true",
+                   help="narrate the first step: each seed step and each MPI call, every rank")
+    args = ap.parse_args(argv)
+    try:
+        serial.finish_args(args)
+    except SystemExit as err:  # finish_args exits with "error: ..." on every rank
+        comm.refuse(str(err.code).replace("error: ", "", 1))
+    if args.micro_batches < 1:
+        comm.refuse(f"--micro-batches must be at least 1, got {args.micro_batches}")
+    if args.batch_size < dp_size * args.micro_batches:
+        comm.refuse(f"the global batch of {args.batch_size} rows cannot be split over "
+                    f"{dp_size} ranks x {args.micro_batches} micro-batch(es): every rank needs "
+                    f"at least one row per micro-batch (use --batch-size >= "
+                    f"{dp_size * args.micro_batches}, or fewer ranks)")
+    if args.zero and args.sync == "master":
+        comm.refuse("--zero 1 shards the optimizer over every rank, but with --sync master only "
+                    "rank 0 updates: use --sync allreduce --zero 1")
+    if args.zero and (args.bucket_mb is not None or args.overlap or args.sync == "ring"):
+        comm.refuse("--zero 1 uses one Reduce_scatter and one Allgather of the whole flat "
+                    "buffer: use it with --sync allreduce and without --bucket-mb/--overlap")
+    if args.overlap and args.sync != "allreduce":
+        comm.refuse(f"--overlap needs the non-blocking Iallreduce of --sync allreduce "
+                    f"(got --sync {args.sync})")
+    if args.bucket_mb is not None and (args.bucket_mb <= 0 or args.sync == "master"):
+        comm.refuse(f"--bucket-mb must be positive and needs --sync allreduce or ring "
+                    f"(got {args.bucket_mb} with --sync {args.sync})")
+    if args.overlap and args.bucket_mb is None:
+        args.bucket_mb = 25.0  # PyTorch DDP's default bucket size
+    return args
+
+
+def main(argv=None):
+    comm.install_excepthook()
+    grid = Grid(dp=comm.world().size)
+    dp_comm = grid.dp_comm
+    args = parse_args(argv, dp_comm.size)
+    task = serial.Task(args)
+    model = task.build_model().init(args.seed)
+    n_params = sum(p.size for p in model.parameters())
+    mode = args.sync + (f", buckets of {args.bucket_mb:g} MiB" if args.bucket_mb else "")
+    mode += ", overlap" if args.overlap else ""
+    mode += ", ZeRO-1" if args.zero else ""
+    comm.log(f"data_parallel: {args.model} with {n_params:,} parameters on {dp_comm.size} ranks "
+             f"(sync {mode}), {args.steps} steps of global batch {args.batch_size} "
+             f"(rows per rank {comm.split_rows(args.batch_size, dp_comm.size)}, "
+             f"{args.micro_batches} micro-batch(es)), {args.optim} lr {args.lr}, {args.dtype}")
+    dp = DataParallel(args, task, dp_comm, model)
+    bar = serial.progress(args.steps, f"dp x{dp_comm.size}", args.quiet or dp_comm.rank != 0)
+    for step in bar:
+        loss = dp.step(step)
+        bar.set_postfix(loss=f"{loss:.4f}")
+        if args.log_every and (step + 1) % args.log_every == 0 and dp_comm.rank == 0:
+            bar.write(f"step {step + 1:5d}  loss {loss:.4f}")
+    state = dp_comm.gather_obj(dp.optimizer_state_bytes())
+    if dp_comm.rank == 0:
+        comm.log(f"optimizer state bytes per rank: {state}")
+        comm.log(serial.report(task.evaluate(model.forward), loss))
+        if args.save_params:
+            serial.save_params(args.save_params, ((n, p.data) for n, p in model.named_parameters()))
+            comm.log(f"saved parameters to {args.save_params}")
+
+
+if __name__ == "__main__":
+    main()
