@@ -98,7 +98,9 @@ def check_traffic(name, args, dp):
     if args.overlap:  # the first bucket went out while backward still had gradients to make
         log = dp.sync.launch_log
         assert len(log) == len(dp.sync.buckets) and log == sorted(log), log
-        assert log[0] < len(dp.params), (name, log)
+        assert 0 < log[0] < len(dp.params), (name, log)
+        filled = np.cumsum([len(b.params) for b in dp.sync.buckets])
+        assert all(np.array(log) >= filled) and log[-1] == len(dp.params), (name, log)
 
 
 def serial_run(args, task):
