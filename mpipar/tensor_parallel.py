@@ -662,12 +662,14 @@ def gather_full_params(model, tp_comm, root=0):
 def train_step(model, loss_fn, updater, x, y):
     """One step on every rank of the group; every rank gets the whole batch (x, y)."""
     updater.zero_grad()
-    C.narrate("TP Steps 2-3: forward: each rank computes with its shards; g and the "
-              "vocabulary-parallel layers Allreduce the partial results")
+    C.narrate("TP Step 2: forward: each rank computes with its own shards (columns, rows, "
+              "heads, vocabulary block)")
+    C.narrate("TP Step 3: Allreduces after row-parallel layers (g), in the embedding and the "
+              "cross-entropy combine the partial results")
     logits = model.forward(x)
     loss = loss_fn.forward(logits, y, normalizer=y.size)
-    C.narrate("TP Steps 2-3: backward: f Allreduces the input gradients; each shard's "
-              "gradient is then complete")
+    C.narrate("TP Step 3, backward: f Allreduces the input gradients of the column-parallel "
+              "layers; each shard's gradient is then complete")
     model.backward(loss_fn.backward())
     updater.step()
     return loss
