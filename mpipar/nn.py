@@ -180,7 +180,7 @@ class GELU(Module):
     K = math.sqrt(2.0 / math.pi)
 
     def forward(self, x, micro_id=0):
-        t = B.xp.tanh(self.K * (x + 0.044715 * x**3))
+        t = B.xp.tanh(self.K * (x + 0.044715 * (x * x * x)))  # x**3 calls pow(): 100x slower
         self.save(micro_id, x, t)
         return 0.5 * x * (1.0 + t)
 
