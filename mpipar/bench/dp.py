@@ -1,0 +1,217 @@
+"""Data parallelism: step time, speedup and communication share per sync mode, and the measured
+gradient communication beside its alpha-beta prediction.
+
+    python -m mpipar.bench dp             # writes plots/dp.csv and plots/dp_speedup.png
+
+A compute-bound MLP (widths 64-1024-1024-1024-10, 2.2 M parameters, 8.7 MB of float32
+gradients) on the digits, global batch 512, float32, one BLAS thread per rank, trained by
+:class:`mpipar.data_parallel.DataParallel` on P = 1, 2 and 4 ranks (4 ranks on 2 cores are
+oversubscribed and marked so) in five modes: master (the seed's Reduce + Bcast), allreduce,
+ring, allreduce with 2 MiB buckets and overlap, and ZeRO-1.
+
+Each launch builds all five trainers, warms each up, then times them in interleaved rounds
+(so load from other work hits every mode alike): barrier, one step, the slowest rank's time;
+the median over rounds and over two launches per rank count. Per step it also sums, from the
+timeline (mpipar.trace):
+
+- exposed communication: the "sync" spans of the step (Scatterv of the batch, the gradient
+  exchange including the copies into flat buffers, the parameter Bcast/Allgather); divided by
+  the step time it is the communication share;
+- MPI time of the gradient exchange (the comm spans of Reduce+Bcast, Allreduce, Sendrecv or
+  Reduce_scatter+Allgather), the MINIMUM over ranks: the rank that reaches a collective last
+  waits only for the data, the others also for it. This is the number to set beside the
+  alpha-beta-gamma prediction (:func:`mpipar.bench.net.predict`, with alpha and beta from a
+  ping-pong in the same run). With overlap the Iallreduce spans run from posting to the final
+  wait, so they include backward compute.
+
+Speedup of a mode on P ranks = its step time on 1 rank / its step time on P ranks.
+"""
+
+import argparse
+import statistics
+
+from mpipar.bench.common import PLOTS, cores, environment, run_ranks, write_csv
+
+SIZES = "64,1024,1024,1024,10"
+BATCH = 512
+MODEL = ["--model", "mlp", "--sizes", SIZES, "--batch-size", str(BATCH), "--dtype", "float32",
+         "--lr", "0.01", "--quiet"]
+MODES = {
+    "master": ["--sync", "master"],
+    "allreduce": ["--sync", "allreduce"],
+    "ring": ["--sync", "ring"],
+    "allreduce+overlap": ["--sync", "allreduce", "--bucket-mb", "2", "--overlap"],
+    "zero1": ["--sync", "allreduce", "--zero", "1"],
+}
+ALGO = {"master": "master", "allreduce": "mpi", "ring": "ring", "allreduce+overlap": "mpi",
+        "zero1": "zero"}  # the net.predict formula of each mode
+GRAD_OPS = {"Reduce", "Bcast", "Allreduce", "Sendrecv", "Reduce_scatter", "Allgather"}
+RANKS = (1, 2, 4)
+
+
+# ----------------------------------------------------------------------------- worker (mpirun)
+def worker(rounds, warmup):
+    from mpi4py import MPI
+
+    from mpipar import comm as C
+    from mpipar import data_parallel as DP
+    from mpipar import serial
+    from mpipar.bench.common import emit
+    from mpipar.grid import Grid
+    from mpipar.trace import TRACE
+
+    C.install_excepthook()
+    dp_comm = Grid(dp=C.world().size).dp_comm
+    task, trainers = None, {}
+    for mode, flags in MODES.items():
+        args = DP.parse_args(MODEL + flags, dp_comm.size)
+        task = task or serial.Task(args)  # the data depends only on the shared model flags
+        trainers[mode] = DP.DataParallel(args, task, dp_comm, task.build_model().init(0))
+    step = 0
+    for dp in trainers.values():
+        for _ in range(warmup):
+            dp.step(step)
+            step += 1
+    samples = {mode: [] for mode in MODES}
+    for _ in range(rounds):
+        for mode, dp in trainers.items():
+            dp_comm.Barrier()
+            TRACE.clear()
+            t0 = MPI.Wtime()
+            dp.step(step)
+            t = MPI.Wtime() - t0
+            step += 1
+            sync = sum(e[1] - e[0] for e in TRACE.events if e[2] == "sync")
+            grad = sum(e[1] - e[0] for e in TRACE.events if e[2] == "comm" and e[3] in GRAD_OPS)
+            per_rank = dp_comm.allgather_obj((t, sync, grad))
+            samples[mode].append((max(v[0] for v in per_rank),
+                                  statistics.mean(v[1] for v in per_rank),
+                                  min(v[2] for v in per_rank)))
+    state = {mode: max(dp_comm.allgather_obj(dp.optimizer_state_bytes()))
+             for mode, dp in trainers.items()}
+    if dp_comm.rank == 0:
+        for mode, dp in trainers.items():
+            emit({"ranks": dp_comm.size, "mode": mode, "samples": samples[mode],
+                  "params": dp.n, "grad_bytes": dp.flat.nbytes,
+                  "buckets": len(dp.sync.buckets) if dp.sync else 1,
+                  "bucket_bytes": [b.flat.nbytes for b in dp.sync.buckets] if dp.sync else [],
+                  "optimizer_state_bytes": state[mode]})
+
+
+# ----------------------------------------------------------------------------- driver
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    n_cores = cores()
+    top = max(RANKS)
+    for ax, key, title in ((axes[0], "speedup", "speedup over 1 rank"),
+                           (axes[1], "efficiency", "parallel efficiency (speedup / ranks)")):
+        for mode in MODES:
+            pts = [r for r in rows if r["mode"] == mode]
+            ax.plot([r["ranks"] for r in pts], [r[key] for r in pts], "o-", label=mode)
+        ideal = list(RANKS) if key == "speedup" else [1.0] * len(RANKS)
+        ax.plot(RANKS, ideal, "k--", lw=1, label="ideal")
+        ax.axvline(n_cores, color="gray", ls=":", lw=1)
+        ax.axvspan(n_cores + 0.5, top + 0.3, color="gray", alpha=0.12, lw=0)
+        ax.text(n_cores, ax.get_ylim()[1], f" {n_cores} cores", fontsize=8, color="gray",
+                va="top")
+        ax.text(top + 0.25, ax.get_ylim()[0], "oversubscribed\n(ranks > cores) ", fontsize=8,
+                color="gray", ha="right", va="bottom")
+        ax.set_xticks(RANKS)
+        ax.set_xlim(0.8, top + 0.3)
+        ax.set_xlabel("ranks (P)")
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    at2 = [r for r in rows if r["ranks"] == 2]
+    x = range(len(at2))
+    axes[2].bar([i - 0.2 for i in x], [r["grad_comm_ms"] for r in at2], 0.4,
+                label="measured (MPI calls, min over ranks)")
+    axes[2].bar([i + 0.2 for i in x], [r["predicted_comm_ms"] for r in at2], 0.4,
+                label="alpha-beta-gamma prediction")
+    axes[2].set_xticks(list(x))
+    axes[2].set_xticklabels([r["mode"] for r in at2], fontsize=7)
+    axes[2].set_ylabel("ms per step")
+    axes[2].set_title("gradient communication, 2 ranks")
+    axes[2].legend(fontsize=7)
+    fig.suptitle(f"data parallelism: MLP {SIZES}, batch {BATCH}, float32, 1 BLAS thread/rank")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m mpipar.bench dp")
+    ap.add_argument("--quick", action="store_true", help="one launch per rank count, few rounds")
+    ap.add_argument("--rounds", type=int, default=8, help="timed steps per mode and launch")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--warmup", type=int, default=2, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        worker(args.rounds, args.warmup)
+        return
+
+    from mpipar.bench.net import measure_alpha_beta, measure_gamma, predict
+
+    alpha, beta = measure_alpha_beta(args.quick)
+    gamma = measure_gamma()
+    print(f"alpha {alpha * 1e6:.2f} us, beta {beta * 1e9:.4f} ns/byte ({1 / beta / 1e9:.2f} GB/s),"
+          f" gamma {gamma * 1e9:.4f} ns/byte")
+    rounds = 3 if args.quick else args.rounds
+    passes = 1 if args.quick else 2
+    runs = {}  # (ranks, mode) -> worker result, samples pooled over passes
+    for _ in range(passes):  # P = 1, 2, 4, then again: slow phases of the machine hit all P
+        for p in RANKS:
+            for res in run_ranks(p, "mpipar.bench.dp",
+                                 ["--worker", "--rounds", rounds, "--warmup", args.warmup]):
+                key = (p, res["mode"])
+                if key in runs:
+                    runs[key]["samples"] += res["samples"]
+                else:
+                    runs[key] = res
+    rows = []
+    base = {mode: statistics.median(s[0] for s in runs[(1, mode)]["samples"]) for mode in MODES}
+    for p in RANKS:
+        for mode in MODES:
+            res = runs[(p, mode)]
+            step = statistics.median(s[0] for s in res["samples"])
+            exposed = statistics.median(s[1] for s in res["samples"])
+            grad = statistics.median(s[2] for s in res["samples"])
+            if mode == "allreduce+overlap":  # one allreduce per bucket
+                pred = sum(predict("mpi", p, n, alpha, beta, gamma) for n in res["bucket_bytes"])
+            else:
+                pred = predict(ALGO[mode], p, res["grad_bytes"], alpha, beta, gamma)
+            speedup = base[mode] / step
+            rows.append(dict(environment(ranks=p), bench="dp", model=f"mlp {SIZES}",
+                             batch=BATCH, dtype="float32", params=res["params"], mode=mode,
+                             buckets=res["buckets"], step_ms=round(step * 1e3, 3),
+                             speedup=round(speedup, 3), efficiency=round(speedup / p, 3),
+                             exposed_comm_ms=round(exposed * 1e3, 3),
+                             comm_share=round(exposed / step, 3),
+                             grad_comm_ms=round(grad * 1e3, 3),
+                             predicted_comm_ms=round(pred * 1e3, 3),
+                             optimizer_state_bytes=res["optimizer_state_bytes"],
+                             samples=len(res["samples"]), alpha=alpha, beta=beta, gamma=gamma))
+    path = write_csv("dp.csv", rows)
+    png = plot(rows, PLOTS / "dp_speedup.png")
+    print(f"{'ranks':>5} {'mode':<18} {'step ms':>8} {'speedup':>8} {'comm %':>7} "
+          f"{'grad comm ms':>13} {'model ms':>9} {'opt state':>10}")
+    for r in rows:
+        print(f"{r['ranks']:5d} {r['mode']:<18} {r['step_ms']:8.1f} {r['speedup']:8.2f} "
+              f"{100 * r['comm_share']:6.1f}% {r['grad_comm_ms']:13.2f} "
+              f"{r['predicted_comm_ms']:9.2f} {r['optimizer_state_bytes']:10d}"
+              + ("  (oversubscribed)" if r["oversubscribed"] else ""))
+    (target,) = [r for r in rows if r["ranks"] == 2 and r["mode"] == "allreduce+overlap"]
+    verdict = "met" if target["speedup"] >= 1.8 else "NOT met"
+    print(f"target: P=2 allreduce+overlap >= 1.8x faster than P=1: {target['speedup']:.2f}x, "
+          f"{verdict}")
+    print(f"-> {path}, {png}")
+
+
+if __name__ == "__main__":
+    main()
