@@ -1,0 +1,160 @@
+"""mpirun -n P python tests/mpi/pp_checks.py [--quick]: the pipeline against the serial trainer.
+
+For every schedule x micro-batch count x model (an MLP of 9 layers, a GPT of 5), float64:
+the loss of every step and every parameter after 3 steps equal the serial trainer's (relative
+error <= 1e-10); the peak stash of activations each stage measures equals the schedule's
+peak number of micro-batches in flight times the stash of one micro-batch; the parameters
+gathered to rank 0 are the whole serial model. Also: a hand-set --partition, the header check
+of a message, and (on one rank) the partition by FLOPs. --quick runs a subset.
+"""
+
+import argparse
+import itertools
+import sys
+
+import numpy as np
+
+from mpipar import backend as B
+from mpipar import comm as C
+from mpipar import pipeline as PP
+from mpipar import serial
+from mpipar.grid import Grid
+from mpipar.schedules import SCHEDULES, peak_in_flight
+
+C.install_excepthook()
+quick = "--quick" in sys.argv
+grid = Grid(pp=C.world().size)
+pp = grid.pp_comm
+P, r = pp.size, pp.rank
+STEPS = 3
+MODELS = {
+    "mlp": ["--model", "mlp", "--sizes", "64,16,16,16,16,10", "--batch-size", "10"],
+    "gpt": ["--model", "gpt", "--d-model", "16", "--n-heads", "2", "--n-layers", "3",
+            "--seq-len", "8", "--batch-size", "8"],
+}
+
+
+def make_task(flags):
+    ap = serial.add_common_args(argparse.ArgumentParser())
+    args = serial.finish_args(ap.parse_args(flags + ["--dtype", "float64", "--steps", "3"]))
+    return serial.Task(args)
+
+
+def serial_run(task):
+    """Losses of each step and the parameters after STEPS steps of the serial trainer."""
+    model = task.build_model().init(task.args.seed)
+    opt = serial.make_optimizer(task.args, model.parameters())
+    losses = [serial.train_step(model, task.loss_fn, opt, *task.to_device(*task.batch(s)))
+              for s in range(STEPS)]
+    return losses, {n: B.to_numpy(p.data).copy() for n, p in model.named_parameters()}
+
+
+def stash_of_one_micro_batch(task, bounds, m):
+    """Bytes a fresh copy of this stage caches for micro-batch 0 alone (serial probe)."""
+    model = task.build_model().init(task.args.seed)
+    x, _ = task.to_device(*task.batch(0))
+    a = PP.micro_batches(x, m)[0]
+    for _, layer in model.layers[:bounds[0]]:
+        a = layer.forward(a, 0)
+    probe = PP.build_stage(task.build_model(), bounds, task.args.seed)
+    probe.forward(a, 0)
+    return probe.cached_bytes()
+
+
+def rel_err(a, b):
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
+
+
+def check(task, ref_losses, ref_params, schedule, m, partition=None, gather=False):
+    name = f"{task.kind} {schedule} m={m} partition={partition}"
+    counts, _ = PP.plan_stages(task, P, m, partition)
+    bounds = PP.stage_bounds(counts)[r]
+    stage = PP.build_stage(task.build_model(), bounds, task.args.seed)
+    opt = serial.make_optimizer(task.args, stage.parameters())
+    instructions = SCHEDULES[schedule](P, r, m)
+    micro_rows = C.split_rows(task.args.batch_size, m)
+    peak = 0
+    for step in range(STEPS):
+        x, y = task.to_device(*task.batch(step))
+        result = PP.run_pipeline(
+            stage, instructions, pp, micro_rows,
+            inputs=PP.micro_batches(x, m) if r == 0 else None,
+            targets=PP.micro_batches(y, m) if r == P - 1 else None,
+            loss_fn=task.loss_fn, normalizer=y.size, optimizer=opt)
+        peak = max(peak, result.peak_stash_bytes)
+        if r == P - 1:
+            assert abs(result.loss - ref_losses[step]) <= 1e-10 * abs(ref_losses[step]), \
+                (name, step, result.loss, ref_losses[step])
+        assert stage.cached_bytes() == 0, (name, "activations left in the cache")
+    for pname, p in stage.named_parameters():
+        err = rel_err(B.to_numpy(p.data), ref_params[pname])
+        assert err <= 1e-10, f"{name}: rank {r} {pname} relative error {err:.2e}"
+    if task.args.batch_size % m == 0:  # equal micro-batches: the prediction is a product
+        want = peak_in_flight(instructions) * stash_of_one_micro_batch(task, bounds, m)
+        assert peak == want, f"{name}: rank {r} stashed {peak} bytes, schedule predicts {want}"
+    if gather:
+        full = PP.gather_params(stage, pp)
+        if r == 0:
+            assert list(full) == list(ref_params), (list(full), list(ref_params))
+            for pname, value in full.items():
+                assert rel_err(value, ref_params[pname]) <= 1e-10, (name, pname)
+        else:
+            assert full is None
+
+
+def check_partition():
+    """The FLOPs partition on its own (pure function; checked once, on one rank)."""
+    assert PP.partition([1, 1, 1, 1], 2) == [2, 2]
+    assert PP.partition([5, 1, 1, 1, 1, 1], 2) == [1, 5]  # the big layer alone
+    assert PP.partition([0, 3, 3, 3, 3, 1], 4) == [2, 1, 1, 2]
+    assert PP.partition([0, 0, 0, 0, 0, 0], 3) == [2, 2, 2]  # ties: even layer counts
+    assert PP.partition([7], 1) == [1]
+    costs = np.random.default_rng(0).integers(0, 100, 9)
+    for p in range(1, 10):  # against brute force over every cut
+        best = min(max(sum(costs[a:b]) for a, b in zip((0,) + cut, cut + (9,)))
+                   for cut in itertools.combinations(range(1, 9), p - 1))
+        counts = PP.partition(costs, p)
+        ends = np.cumsum(counts)
+        assert len(counts) == p and min(counts) >= 1 and ends[-1] == 9
+        assert max(sum(costs[a:b]) for a, b in zip([0, *ends[:-1]], ends)) == best
+    try:
+        PP.partition([1, 2], 3)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("3 stages of 2 layers accepted")
+
+
+def check_header():
+    """A message of another micro-batch than the receiver expects fails clearly."""
+    if r == 0:
+        for request in PP.send_tensor(pp, np.ones((3, 2)), 1, PP.TAG_ACT, micro_id=5):
+            request.wait()
+    elif r == 1:
+        try:
+            PP.recv_tensor(pp, 0, PP.TAG_ACT, micro_id=4, rows=3, dtype=np.float64)
+        except ValueError as err:
+            assert "micro-batch 4" in str(err) and "micro-batch 5" in str(err), err
+        else:
+            raise AssertionError("a wrong micro-batch id was accepted")
+        pp.Recv(np.empty((3, 2)), 0, PP.TAG_ACT)  # drain the payload
+    pp.Barrier()
+
+
+B.use("numpy", "float64")
+if P == 1:
+    check_partition()
+if P >= 2:
+    check_header()
+schedules = ["gpipe", "1f1b"] if quick else list(SCHEDULES)
+micro_counts = [1, 4] if quick else [1, 2, 4, 8]
+for flags in MODELS.values():
+    task = make_task(flags)
+    ref_losses, ref_params = serial_run(task)
+    for schedule in schedules:
+        for m in micro_counts:
+            check(task, ref_losses, ref_params, schedule, m, gather=(schedule, m) == ("1f1b", 2))
+    n_layers = len(task.build_model().layers)
+    by_hand = ",".join(map(str, [n_layers - P + 1] + [1] * (P - 1)))  # all but P-1 on stage 0
+    check(task, ref_losses, ref_params, "1f1b", 2, partition=by_hand, gather=True)
+C.log(f"pp checks passed on {P} ranks")

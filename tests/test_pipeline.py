@@ -1,0 +1,95 @@
+"""Pipeline parallelism under mpirun: every schedule and micro-batch count equals the serial
+trainer on 1 to 4 stages (also with synchronous sends), the stash of activations matches the
+schedule, the command line reports what the serial trainer reports, and bad input ends every
+rank with one clear message."""
+
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from conftest import MPI_SCRIPTS, ROOT
+
+from mpipar import serial
+
+MLP = ["--model", "mlp", "--sizes", "64,16,16,16,16,10", "--batch-size", "12", "--steps", "4",
+       "--dtype", "float64", "--quiet"]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_every_schedule_equals_serial(mpirun, n):
+    """naive, gpipe, 1f1b x m in {1, 2, 4, 8} x {MLP of 9 layers, GPT of 5}: losses and
+    parameters after 3 steps (rel. err <= 1e-10), peak stash = in-flight x one micro-batch."""
+    out = mpirun(n, [MPI_SCRIPTS / "pp_checks.py"], timeout=90)
+    assert f"pp checks passed on {n} ranks" in out.stdout
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_no_deadlock_with_synchronous_sends(mpirun, n):
+    """MPIPAR_SSEND=1: a send completes only when received, so an order that relies on MPI
+    buffering a message deadlocks (and fails with "deadlock?") instead of passing."""
+    out = mpirun(n, [MPI_SCRIPTS / "pp_checks.py"], timeout=90, env={"MPIPAR_SSEND": "1"})
+    assert f"pp checks passed on {n} ranks" in out.stdout
+
+
+def test_command_line_matches_serial(mpirun, tmp_path, capsys):
+    saved, picture = tmp_path / "pp.npz", tmp_path / "timeline.png"
+    out = mpirun(3, ["-m", "mpipar.pipeline", *MLP, "--schedule", "gpipe", "--micro-batches",
+                     "5", "--save-params", saved, "--timeline", picture], timeout=60).stdout
+    serial.main(MLP + ["--save-params", str(tmp_path / "serial.npz")])
+    want = [line for line in capsys.readouterr().out.splitlines() if "final" in line]
+    assert [line for line in out.splitlines() if "final" in line] == want
+    ref = serial.load_params(tmp_path / "serial.npz")
+    got = serial.load_params(saved)
+    assert sorted(got) == sorted(ref)
+    for name, value in got.items():
+        np.testing.assert_allclose(value, ref[name], rtol=1e-10, atol=1e-14, err_msg=name)
+    assert picture.stat().st_size > 10_000
+    assert re.search(r"stage 0 \(rank 0\): fc0", out), out
+    assert "peak activation stash per stage" in out and "(5 micro-batches)" in out
+
+
+def test_default_run_is_the_gpt_on_4_stages(mpirun, tmp_path):
+    """The demo's command, shortened to 3 steps: partition, report, bubble, timeline."""
+    picture = tmp_path / "t.png"
+    out = mpirun(4, ["-m", "mpipar.pipeline", "--steps", "3", "--quiet", "--timeline", picture],
+                 timeout=60).stdout
+    assert "gpt" in out and "schedule 1f1b, 4 micro-batches" in out
+    assert re.search(r"stage 0 \(rank 0\): embed, blocks\.0 ", out), out
+    assert re.search(r"stage 3 \(rank 3\): blocks\.3, head ", out), out
+    assert "val loss" in out and "unigram loss" in out
+    assert re.search(r"bubble measured from the trace 0\.\d+ .*\(p-1\)/\(m\+p-1\) = 0\.429", out)
+    assert f"timeline of the last step: {picture}" in out and picture.exists()
+
+
+@pytest.mark.parametrize("ranks,flags,message", [
+    (4, ["--model", "mlp", "--sizes", "64,10"], "4 pipeline stages but the mlp model has only 1"),
+    (2, ["--schedule", "zigzag"], "unknown --schedule 'zigzag'"),
+    (2, ["--micro-batches", "0"], "--micro-batches must be positive"),
+    (2, ["--model", "mlp", "--micro-batches", "65"], "exceeds --batch-size 64"),
+    (2, ["--model", "mlp", "--partition", "1,1"], "summing to 5"),
+])
+def test_bad_input_ends_every_rank_clearly(mpirun, ranks, flags, message):
+    t0 = time.time()
+    proc = mpirun(ranks, ["-m", "mpipar.pipeline", "--quiet", *flags], timeout=60, check=False)
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr
+    assert proc.stderr.count("error:") == 1, proc.stderr  # said once, not once per rank
+    assert time.time() - t0 < 30
+
+
+def test_print_schedule_needs_no_mpirun():
+    out = subprocess.run([sys.executable, "-m", "mpipar.pipeline", "--print-schedule",
+                          "--stages", "4", "--micro-batches", "4"], capture_output=True,
+                         text=True, timeout=60, cwd=ROOT, check=True).stdout
+    assert "stage 3 (stashes at most 1): RA0 F0 B0 SG0 RA1 F1 B1 SG1" in out, out
+    assert "stage 0 (stashes at most 4): F0 SA0 F1 SA1 F2 SA2 F3 SA3 RG0 B0" in out, out
+    assert "bubble 0.429 (formula 0.429)" in out
+
+
+def test_every_seed_step_has_one_banner_in_order():
+    source = (ROOT / "mpipar" / "pipeline.py").read_text()
+    steps = [int(n) for n in re.findall(r"^\s*# -- PP Step (\d+): ", source, re.M)]
+    assert steps == list(range(1, 10)), steps

@@ -1,0 +1,133 @@
+"""Pipeline schedules without MPI: exact lists for small cases, and for many (stages, micro-
+batches) the happens-before order, matched messages, stash sizes and bubble of a simulation."""
+
+import pytest
+
+from mpipar.schedules import (
+    SCHEDULES,
+    Backward,
+    Forward,
+    OptimizerStep,
+    RecvAct,
+    RecvGrad,
+    ScheduleError,
+    SendAct,
+    SendGrad,
+    bubble_formula,
+    format_schedule,
+    in_flight,
+    peak_in_flight,
+    schedule,
+    simulate,
+    simulated_bubble,
+)
+
+CASES = [(p, m) for p in range(1, 7) for m in range(1, 10)]
+
+
+def text(name, p, m):
+    return [" ".join(map(str, ins)) for ins in schedule(name, p, m)]
+
+
+def test_exact_lists_two_stages_two_micro_batches():
+    assert text("naive", 2, 2) == ["F0 SA0 RG0 B0 F1 SA1 RG1 B1 OPT",
+                                   "RA0 F0 B0 SG0 RA1 F1 B1 SG1 OPT"]
+    assert text("gpipe", 2, 2) == ["F0 SA0 F1 SA1 RG1 B1 RG0 B0 OPT",
+                                   "RA0 F0 RA1 F1 B1 SG1 B0 SG0 OPT"]
+    assert text("1f1b", 2, 2) == ["F0 SA0 F1 SA1 RG0 B0 RG1 B1 OPT",
+                                  "RA0 F0 B0 SG0 RA1 F1 B1 SG1 OPT"]
+
+
+def test_exact_1f1b_three_stages_four_micro_batches():
+    """Stage r: min(p-r-1, m) warm-up forwards, then one forward one backward, then the rest."""
+    assert text("1f1b", 3, 4) == [
+        "F0 SA0 F1 SA1 F2 SA2 RG0 B0 F3 SA3 RG1 B1 RG2 B2 RG3 B3 OPT",
+        "RA0 F0 SA0 RA1 F1 SA1 RG0 B0 SG0 RA2 F2 SA2 RG1 B1 SG1 RA3 F3 SA3 RG2 B2 SG2 "
+        "RG3 B3 SG3 OPT",
+        "RA0 F0 B0 SG0 RA1 F1 B1 SG1 RA2 F2 B2 SG2 RA3 F3 B3 SG3 OPT",
+    ]
+
+
+def test_single_stage_has_no_messages():
+    for name in SCHEDULES:
+        ins = schedule(name, 1, 3)[0]
+        assert not [i for i in ins if isinstance(i, (SendAct, RecvAct, SendGrad, RecvGrad))]
+        assert sum(isinstance(i, Forward) for i in ins) == 3 and ins[-1] == OptimizerStep()
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_happens_before_and_matched_messages(name):
+    for p, m in CASES:
+        timeline = simulate(schedule(name, p, m))  # raises on any unmatched message
+        for s, events in enumerate(timeline):
+            fwd = {i.micro: (t0, t1) for i, t0, t1 in events if isinstance(i, Forward)}
+            bwd = {i.micro: (t0, t1) for i, t0, t1 in events if isinstance(i, Backward)}
+            assert sorted(fwd) == sorted(bwd) == list(range(m)), (name, p, m, s)
+            assert isinstance(events[-1][0], OptimizerStep)
+            assert events[-1][1] >= max(t1 for _, t1 in bwd.values())
+            for k in range(m):
+                assert fwd[k][1] <= bwd[k][0]  # a micro-batch's backward after its forward
+                if s + 1 < p:
+                    nxt = timeline[s + 1]
+                    f_next = next(t0 for i, t0, _ in nxt if i == Forward(k))
+                    b_next = next(t1 for i, _, t1 in nxt if i == Backward(k))
+                    assert fwd[k][1] <= f_next, (name, p, m, s, k)  # forward: s before s+1
+                    assert b_next <= bwd[k][0], (name, p, m, s, k)  # backward: s+1 before s
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_every_send_has_its_receive(name):
+    for p, m in CASES:
+        lists = schedule(name, p, m)
+        for s in range(p):
+            for send, recv, to in ((SendAct, RecvAct, s + 1), (SendGrad, RecvGrad, s - 1)):
+                sent = [i.micro for i in lists[s] if isinstance(i, send)]
+                got = [i.micro for i in lists[to] if isinstance(i, recv)] if 0 <= to < p else []
+                assert sent == got, (name, p, m, s, send.__name__)
+
+
+def test_stashed_micro_batches():
+    for p, m in CASES:
+        for r in range(p):
+            assert peak_in_flight(SCHEDULES["naive"](p, r, m)) == 1
+            assert peak_in_flight(SCHEDULES["gpipe"](p, r, m)) == m
+            assert peak_in_flight(SCHEDULES["1f1b"](p, r, m)) == min(p - r, m), (p, m, r)
+            assert in_flight(SCHEDULES["1f1b"](p, r, m))[-1] == 0
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_simulated_bubble_is_the_formula(name):
+    """Equal stages, backward twice the forward, free messages: (p-1)/(m+p-1) for GPipe and
+    1F1B, (p-1)/p for one micro-batch at a time."""
+    for p, m in CASES:
+        got = simulated_bubble(simulate(schedule(name, p, m)))
+        assert got == pytest.approx(bubble_formula(p, m, name), abs=1e-12), (name, p, m)
+
+
+def test_simulation_catches_broken_schedules():
+    # stage 0 waits for the gradient before sending the activation it depends on: deadlock
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate([[Forward(0), RecvGrad(0), SendAct(0), Backward(0)],
+                  [RecvAct(0), Forward(0), Backward(0), SendGrad(0)]])
+    # the receiver takes micro-batches in another order than they were sent
+    with pytest.raises(ScheduleError, match="micro-batch 1 .* micro-batch 0"):
+        simulate([[Forward(0), SendAct(0), Forward(1), SendAct(1)],
+                  [RecvAct(1), RecvAct(0)]])
+    with pytest.raises(ScheduleError, match="never received"):
+        simulate([[Forward(0), SendAct(0)], []])
+    with pytest.raises(ScheduleError, match="before"):
+        simulate([[SendAct(0), Forward(0)], [RecvAct(0), Forward(0)]])
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="unknown schedule"):
+        schedule("zigzag", 2, 2)
+    with pytest.raises(ValueError, match="must be positive"):
+        schedule("1f1b", 2, 0)
+
+
+def test_printed_schedule():
+    out = format_schedule("gpipe", 2, 2)
+    assert "stage 0 (stashes at most 2): F0 SA0 F1 SA1 RG1 B1 RG0 B0 OPT" in out
+    assert "stage 1 |  . F0 F1 B1 B1 B0 B0" in out
+    assert "bubble 0.333 (formula 0.333)" in out
