@@ -46,8 +46,9 @@ def busy_fraction(events, kinds, t_begin, t_end):
     return busy / (t_end - t_begin)
 
 
-def gantt(per_rank, path, title="", kinds_colors=None, row_label="stage"):
-    """Draw per-rank events as a Gantt chart and save it to ``path`` (PNG)."""
+def gantt(per_rank, path, title="", kinds_colors=None, row_label="stage", ax=None):
+    """Draw per-rank events as a Gantt chart and save it to ``path`` (PNG); with ``ax``, draw
+    into that matplotlib axes instead (several charts in one figure) and return it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -56,7 +57,9 @@ def gantt(per_rank, path, title="", kinds_colors=None, row_label="stage"):
     colors = kinds_colors or {"forward": "#4C72B0", "backward": "#DD8452", "optimizer": "#55A868"}
     t_zero = min(e[0] for events in per_rank for e in events)
     t_last = max(e[1] for events in per_rank for e in events)
-    fig, ax = plt.subplots(figsize=(11, 0.6 * len(per_rank) + 1.4))
+    own = ax is None
+    if own:
+        fig, ax = plt.subplots(figsize=(11, 0.6 * len(per_rank) + 1.4))
     for r, events in enumerate(per_rank):
         for t0, t1, kind, _label, info in events:
             if kind not in colors:
@@ -73,6 +76,8 @@ def gantt(per_rank, path, title="", kinds_colors=None, row_label="stage"):
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
     ax.legend(handles, list(colors), loc="upper right", fontsize=8, ncol=len(colors))
     ax.set_title(title)
+    if not own:
+        return ax
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
