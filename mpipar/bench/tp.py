@@ -1,0 +1,291 @@
+"""Tensor parallelism: step time and communication share of one transformer block against its
+hidden size h, on P = 1 and P = 2 ranks, and where P = 2 starts to pay off.
+
+    python -m mpipar.bench tp             # writes plots/tp.csv and plots/tp_comm_share.png
+
+One :class:`mpipar.tensor_parallel.ParallelBlock` (h / 16 heads of width 16, so attention's
+work grows with h like the rest), float32, one BLAS thread per rank, for two step shapes:
+batch 4 x sequence 64 (256 tokens, a training step) and batch 1 x sequence 16 (16 tokens, where
+latency matters). A step is forward, backward of a fixed output gradient and an SGD update of
+the local shards. On P = 2 each rank does half of every matrix product and attends with half
+of the heads, and the step makes 4 Allreduces of b*s*h floats (2 forward, 2 backward); on
+P = 1 the same code makes no call.
+
+Per shape and hidden size, after warm-up: barrier, a batch of steps, the slowest rank's time
+per step; the median over repeats. From the timeline (mpipar.trace) per step:
+
+- comm: the time inside Allreduce (mean over ranks); divided by the step time it is the
+  communication share. It includes waiting for the other rank.
+- comm_min: the same, the MINIMUM over ranks: the rank that arrives last waits only for the
+  data; this is the number to set beside the alpha-beta prediction.
+
+The prediction (the cost model of REFERENCE.md): alpha and beta from a ping-pong in the same
+run and gamma from a NumPy add (:mod:`mpipar.bench.net`); an Allreduce of n bytes on 2 ranks
+costs ``net.predict("mpi", 2, n, alpha, beta, gamma)``. The P = 1 times are fitted as
+t1 = c0 + c1 h + c2 h^2: c0 the per-step work that does not grow with h (Python calls, mostly),
+c1 h the work linear in h (elementwise ops, attention's T x T products), c2 h^2 the four weight
+matrices. Splitting halves the parts that grow with h and adds the Allreduces:
+t2 = c0 + (c1 h + c2 h^2) / 2 + 4 allreduce(b s h * 4 bytes), so P = 2 pays off once
+(c1 h + c2 h^2) / 2 > 4 allreduce(b s h * 4 bytes): that crossover does not depend on c0.
+Replicated work (LayerNorm, residual adds) does not halve; the model halves it with the rest.
+The measured crossover is where the measured speedup t1 / t2 crosses 1 for good, interpolated
+in log h. Both ranks of P = 2 and the one of P = 1 run in the same launch, in interleaved
+rounds, on a machine that other work may share: ratios, not absolute times, are the result.
+"""
+
+import argparse
+import statistics
+
+import numpy as np
+
+from mpipar.bench.common import PLOTS, cores, environment, run_ranks, write_csv
+
+HIDDEN = [32, 64, 96, 128, 192, 256, 384, 512, 768, 1024]
+QUICK_HIDDEN = [32, 64, 128, 256, 512]
+SHAPES = [(4, 64), (1, 16)]  # (batch, sequence): a training-sized step, and a small one
+HEAD_DIM = 16  # heads = h / 16, so attention's work grows with h like the rest
+N_ALLREDUCE = 4  # per block and step: 2 forward (row-parallel outputs), 2 backward (f)
+
+
+def heads_for(h):
+    return h // HEAD_DIM
+
+
+def block_flops(h, b, s):
+    """Forward + backward FLOPs of one block on b x s tokens (backward = 2 x forward):
+    nn.Block.flops written out, 24 N h^2 (the four matrices) + 4 b s^2 h (attention)
+    + 16 N h (the LayerNorms), N = b s."""
+    n = b * s
+    return 3 * (24 * n * h * h + 4 * b * s * s * h + 16 * n * h)
+
+
+# ----------------------------------------------------------------------------- worker (mpirun)
+def worker(hidden, repeats, budget):
+    """On 2 ranks: per shape and hidden size, P = 1 (rank 0 alone, on a communicator of
+    itself, while rank 1 sleeps in a barrier) and P = 2, timed in interleaved rounds so that
+    load from other work on the machine hits both alike."""
+    from mpi4py import MPI
+
+    from mpipar import backend as B
+    from mpipar import comm as C
+    from mpipar import optim
+    from mpipar import tensor_parallel as tp
+    from mpipar.bench.common import emit
+    from mpipar.grid import Grid
+    from mpipar.trace import TRACE
+
+    C.install_excepthook()
+    B.use("numpy", "float32")
+    tp_comm = Grid(tp=C.world().size).tp_comm
+    alone = C.Comm(MPI.COMM_SELF, "self")
+    rng = np.random.default_rng(0)
+    for (b, s), h in ((shape, h) for shape in SHAPES for h in hidden):
+        x = rng.standard_normal((b, s, h)).astype(np.float32)  # (B, T, C)
+        dout = (1e-3 * rng.standard_normal((b, s, h))).astype(np.float32)
+        steps = {}
+        for p, comm in ((1, alone), (2, tp_comm)):
+            if p == 1 and tp_comm.rank != 0:
+                continue
+            block = tp.ParallelBlock(h, heads_for(h), comm).init(0, "blocks.0.")
+            opt = optim.SGD(block.parameters(), lr=1e-4)
+
+            def step(block=block, opt=opt, x=x, dout=dout):
+                opt.zero_grad()
+                block.forward(x)
+                block.backward(dout)
+                opt.step()
+
+            steps[p] = step
+        iters = {}
+        for p in (1, 2):  # warm-up, and a first estimate of the step time
+            t0 = MPI.Wtime()
+            for _ in range(2 if p in steps else 0):
+                steps[p]()
+            estimate = max(tp_comm.allgather_obj((MPI.Wtime() - t0) / 2))
+            iters[p] = max(1, int(budget / estimate))
+        samples = {1: [], 2: []}
+        for _ in range(repeats):
+            for p in (1, 2):
+                tp_comm.Barrier()
+                TRACE.clear()
+                t0 = MPI.Wtime()
+                for _ in range(iters[p] if p in steps else 0):
+                    steps[p]()
+                t = (MPI.Wtime() - t0) / iters[p]
+                comm = sum(e[1] - e[0] for e in TRACE.events if e[3] == "Allreduce") / iters[p]
+                if p == 1:  # rank 1 waits for rank 0 without taking a core from other work
+                    C.WAIT, wait = "sleep", C.WAIT
+                    tp_comm.Barrier()
+                    C.WAIT = wait
+                both = tp_comm.allgather_obj((t, comm))[:p]
+                samples[p].append((max(s for s, _ in both), [c for _, c in both]))
+        if tp_comm.rank == 0:
+            for p in (1, 2):
+                emit({"batch": b, "seq": s, "hidden": h, "ranks": p, "iters": iters[p],
+                      "step_s": statistics.median(t for t, _ in samples[p]),
+                      "comm_s": statistics.median(float(np.mean(c)) for _, c in samples[p]),
+                      "comm_min_s": statistics.median(min(c) for _, c in samples[p])})
+
+
+# ----------------------------------------------------------------------------- model
+def fit_compute(hidden, t1):
+    """(c0, c1, c2) of t1(h) = c0 + c1 h + c2 h^2, least squares on the relative error.
+    c0 is the per-step work that does not grow with h (Python calls, mostly); c1 h the work
+    linear in h (elementwise ops, attention's T x T products); c2 h^2 the four matrices."""
+    h = np.asarray(hidden, dtype=float)
+    t = np.asarray(t1, dtype=float)
+    A = np.stack([1.0 / t, h / t, h * h / t], axis=1)
+    coef, *_ = np.linalg.lstsq(A, np.ones_like(t), rcond=None)
+    return tuple(float(c) for c in coef)
+
+
+def scaling_part(h, fit):
+    """The part of t1(h) that splitting over the ranks divides: c1 h + c2 h^2."""
+    _, c1, c2 = fit
+    return c1 * h + c2 * h * h
+
+
+def allreduce_bytes(h, b, s):
+    return b * s * h * 4  # float32
+
+
+def predicted_comm(h, b, s, alpha, beta, gamma):
+    from mpipar.bench.net import predict
+
+    return N_ALLREDUCE * predict("mpi", 2, allreduce_bytes(h, b, s), alpha, beta, gamma)
+
+
+def predicted_crossover(fit, b, s, alpha, beta, gamma, lo=4, hi=16384):
+    """The smallest h (on a fine grid) where halving the scaling work saves more than the 4
+    Allreduces cost: (c1 h + c2 h^2) / 2 > 4 allreduce(b s h 4 bytes); None if none."""
+    for h in np.unique(np.geomspace(lo, hi, 600).astype(int)):
+        if scaling_part(h, fit) / 2 > predicted_comm(int(h), b, s, alpha, beta, gamma):
+            return int(h)
+    return None
+
+
+def measured_crossover(hidden, speedup):
+    """h where the measured speedup first crosses 1 and stays above, interpolated in log h."""
+    for i in range(len(hidden) - 1, 0, -1):
+        if speedup[i - 1] < 1.0 <= speedup[i] and all(s >= 1.0 for s in speedup[i:]):
+            a, b = np.log(hidden[i - 1]), np.log(hidden[i])
+            w = (1.0 - speedup[i - 1]) / (speedup[i] - speedup[i - 1])
+            return int(round(float(np.exp(a + w * (b - a)))))
+    if speedup and speedup[0] >= 1.0:
+        return hidden[0]  # pays off at every size measured
+    return None
+
+
+# ----------------------------------------------------------------------------- driver
+def plot(rows, crossings, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.6))
+    colors = ["#4C72B0", "#C44E52", "#55A868"]
+    for color, (b, s) in zip(colors, SHAPES):
+        two = [r for r in rows if r["ranks"] == 2 and (r["batch"], r["seq"]) == (b, s)]
+        h = [r["hidden"] for r in two]
+        label = f"b*s = {b}*{s}"
+        ax1.semilogx(h, [100 * r["comm_share"] for r in two], "o-", color=color,
+                     label=f"{label}: measured")
+        ax1.semilogx(h, [100 * r["predicted_comm_share"] for r in two], "--", color=color,
+                     alpha=0.6, label=f"{label}: alpha-beta model")
+        ax2.semilogx(h, [r["speedup"] for r in two], "o-", color=color,
+                     label=f"{label}: measured t1 / t2")
+        ax2.semilogx(h, [r["predicted_speedup"] for r in two], "--", color=color, alpha=0.6,
+                     label=f"{label}: model")
+        measured, predicted = crossings[(b, s)]
+        for value, style, what in ((measured, ":", "measured"), (predicted, "-.", "model")):
+            if value:
+                ax2.axvline(value, color=color, linestyle=style, linewidth=1,
+                            label=f"{label}: pays off from h = {value} ({what})")
+    ax1.set_ylabel("share of the step in Allreduce (%)")
+    ax1.set_title("P = 2: 4 Allreduces of b*s*h floats per block step")
+    ax2.axhline(1.0, color="black", linewidth=0.8)
+    ax2.set_ylabel("speedup of P = 2 over P = 1")
+    ax2.set_title(f"one transformer block, float32, 1 thread per rank, {cores()} cores")
+    for ax in (ax1, ax2):
+        ax.set_xlabel("hidden size h")
+        ax.grid(True, which="major", alpha=0.3)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m mpipar.bench tp")
+    ap.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--hidden", default=",".join(map(str, HIDDEN)))
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--budget", type=float, default=0.15, help="seconds of steps per repeat")
+    args = ap.parse_args(argv)
+    hidden = QUICK_HIDDEN if args.quick else [int(v) for v in args.hidden.split(",")]
+    repeats = 3 if args.quick else args.repeats
+    if args.worker:
+        worker(hidden, repeats, args.budget)
+        return
+
+    from mpipar.bench.net import measure_alpha_beta, measure_gamma
+
+    alpha, beta = measure_alpha_beta(quick=True)
+    gamma = measure_gamma()
+    print(f"ping-pong: alpha {alpha * 1e6:.2f} us, beta {beta * 1e9:.4f} ns/B "
+          f"({1 / beta / 1e9:.2f} GB/s), gamma {gamma * 1e9:.4f} ns/B")
+    flags = ["--worker", "--hidden", ",".join(map(str, hidden)), "--repeats", repeats,
+             "--budget", args.budget]
+    results = run_ranks(2, "mpipar.bench.tp", flags)
+    rows, crossings = [], {}
+    for b, s in SHAPES:
+        measured = {p: {r["hidden"]: r for r in results
+                        if r["ranks"] == p and (r["batch"], r["seq"]) == (b, s)} for p in (1, 2)}
+        t1 = [measured[1][h]["step_s"] for h in hidden]
+        fit = fit_compute(hidden, t1)
+        c0 = fit[0]
+        speedup = [measured[1][h]["step_s"] / measured[2][h]["step_s"] for h in hidden]
+        cross_m = measured_crossover(hidden, speedup)
+        cross_p = predicted_crossover(fit, b, s, alpha, beta, gamma)
+        crossings[(b, s)] = cross_m, cross_p
+        print(f"\nbatch {b} x sequence {s}; P = 1 fit: t1 = {c0 * 1e3:.3f} ms + "
+              f"{fit[1] * 1e6:.3f} us h + {fit[2] * 1e9:.3f} ns h^2")
+        print(f"{'h':>6} {'t1 ms':>9} {'t2 ms':>9} {'speedup':>8} {'model':>7} {'comm %':>7} "
+              f"{'model %':>8} {'comm_min ms':>12} {'model ms':>9}")
+        for h in hidden:
+            F = block_flops(h, b, s)
+            comm_pred = predicted_comm(h, b, s, alpha, beta, gamma)
+            t1_fit = c0 + scaling_part(h, fit)
+            pred = {1: t1_fit, 2: c0 + scaling_part(h, fit) / 2 + comm_pred}
+            for p in (1, 2):
+                m = measured[p][h]
+                rows.append(dict(
+                    environment(ranks=p), bench="tp", block="ParallelBlock", batch=b, seq=s,
+                    tokens=b * s, hidden=h, heads=heads_for(h), dtype="float32", flops=F,
+                    iters=m["iters"], step_ms=m["step_s"] * 1e3, comm_ms=m["comm_s"] * 1e3,
+                    comm_min_ms=m["comm_min_s"] * 1e3, comm_share=m["comm_s"] / m["step_s"],
+                    speedup=measured[1][h]["step_s"] / m["step_s"],
+                    predicted_step_ms=pred[p] * 1e3,
+                    predicted_comm_ms=(comm_pred if p == 2 else 0.0) * 1e3,
+                    predicted_comm_share=(comm_pred / pred[2] if p == 2 else 0.0),
+                    predicted_speedup=t1_fit / pred[p], allreduce_bytes=allreduce_bytes(h, b, s),
+                    alpha=alpha, beta=beta, gamma=gamma, fit_c0_ms=c0 * 1e3,
+                    fit_c1_us=fit[1] * 1e6, fit_c2_ns=fit[2] * 1e9,
+                    gflops=F / m["step_s"] / 1e9,
+                    measured_crossover_hidden=cross_m, predicted_crossover_hidden=cross_p))
+            one, two = rows[-2], rows[-1]
+            print(f"{h:6d} {one['step_ms']:9.3f} {two['step_ms']:9.3f} {two['speedup']:8.2f} "
+                  f"{two['predicted_speedup']:7.2f} {100 * two['comm_share']:7.1f} "
+                  f"{100 * two['predicted_comm_share']:8.1f} {two['comm_min_ms']:12.3f} "
+                  f"{two['predicted_comm_ms']:9.3f}")
+        print(f"P = 2 pays off from h = {cross_m} (measured) / h = {cross_p} (alpha-beta model)")
+    path = write_csv("tp.csv", rows)
+    png = plot(rows, crossings, PLOTS / "tp_comm_share.png")
+    print(f"-> {path}, {png}")
+
+
+if __name__ == "__main__":
+    main()
