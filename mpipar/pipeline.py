@@ -297,7 +297,8 @@ class StageRunner:
             info = {} if ins.micro is None else {"micro": ins.micro}
             with TRACE.span(ins.kind, str(ins), **info):
                 self.HANDLERS[type(ins)](self, ins.micro)
-            self.peak_stash_bytes = max(self.peak_stash_bytes, self.module.cached_bytes())
+            if isinstance(ins, Forward):  # only a forward adds to the stash
+                self.peak_stash_bytes = max(self.peak_stash_bytes, self.module.cached_bytes())
         for request in self.sends:
             request.wait()
         left = {name: sorted(d) for name, d in (("received activations", self.acts_in),
@@ -396,6 +397,15 @@ def median_bubble(per_rank_summaries, skip=1):
     return float(np.median([measured_bubble([s[i] for s in per_rank_summaries]) for i in steps]))
 
 
+def median_step(per_rank_summaries, skip=1):
+    """The step whose span (first forward to last backward, over all ranks) is the median:
+    a typical step to draw, not one that another process happened to interrupt."""
+    n_steps = len(per_rank_summaries[0])
+    spans = [(max(s[i][1] for s in per_rank_summaries) - min(s[i][0] for s in per_rank_summaries),
+              i) for i in range(min(skip, n_steps - 1), n_steps)]
+    return sorted(spans)[len(spans) // 2][1]
+
+
 def _fmt_bytes(n):
     return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
@@ -474,7 +484,7 @@ def main(argv=None):
                  f"forward per micro-batch ({sum(flops[a:b]) / max(total, 1):4.0%})")
 
     bar = serial.progress(args.steps, "pipeline", args.quiet or pp_comm.rank != 0)
-    summaries, peak_stash, loss = [], 0, None
+    summaries, step_events, peak_stash, loss = [], [], 0, None
     for step in bar:
         comm.EXPLAIN = args.explain and step == 0
         TRACE.clear()
@@ -485,6 +495,7 @@ def main(argv=None):
             targets=micro_batches(y, m) if is_last_stage else None,
             loss_fn=task.loss_fn, normalizer=y.size, optimizer=opt)
         summaries.append(step_summary(TRACE.events))
+        step_events.append([e for e in TRACE.events if e[2] != "comm"])  # instructions only
         peak_stash = max(peak_stash, result.peak_stash_bytes)
         loss = send_loss_to_rank0(pp_comm, result.loss)
         if pp_comm.rank == 0:
@@ -495,7 +506,7 @@ def main(argv=None):
 
     all_summaries = pp_comm.gather_obj(summaries)
     peaks = pp_comm.gather_obj(peak_stash)
-    events = TRACE.gather(pp_comm.mpi)  # the last step only: TRACE is cleared every step
+    step_events = pp_comm.gather_obj(step_events)
     params = gather_params(stage, pp_comm)
     in_flight = [peak_in_flight(SCHEDULES[args.schedule](n_stages, s, m)) for s in range(n_stages)]
     if pp_comm.rank != 0:
@@ -508,12 +519,15 @@ def main(argv=None):
           f"steps 2..{args.steps}), (p-1)/(m+p-1) = {bubble_formula(n_stages, m):.3f}"
           f"{oversubscribed}", flush=True)
     print("peak activation stash per stage: " + ", ".join(
-        f"{_fmt_bytes(b)} ({k} micro-batches)" for b, k in zip(peaks, in_flight)), flush=True)
+        f"{_fmt_bytes(b)} ({k} micro-batch{'es' if k > 1 else ''})"
+        for b, k in zip(peaks, in_flight)), flush=True)
     if args.timeline and args.timeline.lower() != "none":
-        title = (f"{args.schedule}, {n_stages} stages, {m} micro-batches: "
-                 f"step {args.steps} of {args.model}")
-        gantt(events, args.timeline, title=title)
-        print(f"timeline of the last step: {os.path.abspath(args.timeline)}", flush=True)
+        i = median_step(all_summaries)
+        title = (f"{args.model}, {args.schedule}, {n_stages} stages, {m} micro-batches: step "
+                 f"{i + 1} of {args.steps}, the median step by duration")
+        gantt([events[i] for events in step_events], args.timeline, title=title)
+        print(f"timeline of step {i + 1} (the median by duration): "
+              f"{os.path.abspath(args.timeline)}", flush=True)
     if args.save_params:
         serial.save_params(args.save_params, params.items())
         print(f"saved parameters to {args.save_params}", flush=True)
