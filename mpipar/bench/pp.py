@@ -1,0 +1,297 @@
+"""Pipeline parallelism: the measured bubble beside (p-1)/(m+p-1), the activations each stage
+stashes under GPipe and 1F1B, and the step time beside the serial trainer's.
+
+    python -m mpipar.bench pp     # plots/pp.csv, pp_bubble.png, pp_memory.png, pp_timelines.png
+
+Balanced stages, so that the formula applies: every stage holds the same LAYERS = 4 blocks of
+Linear(W, W) + ReLU (W = 1024, float32, one BLAS thread per rank; every Linear computes its
+input's gradient, so the first stage's backward costs what the others' does), micro-batches of
+ROWS = 64 rows (the batch grows with m: 64 m rows). One stage's forward of one micro-batch is
+0.54 GFLOP (about 5 ms on one core, backward about 12 ms), against one 256 KiB message each
+way and about 0.1 ms of Python per message, so messaging costs a few percent of the step.
+The last stage adds a mean squared error (under 1% of its work; a softmax cross-entropy over W
+classes would add about 10%, and an unbalanced last stage raises the bubble).
+
+One launch per P (2, then 4: 4 ranks on 2 cores are oversubscribed and marked so); in it, for
+gpipe and 1f1b with m in {1, 2, 4, 8, 16}, and naive up to m = 4 (its bubble is (p-1)/p for
+any m): warm-up steps, then timed steps (barrier, the step, the slowest rank's time; the median
+over steps). The bubble of a step comes from the trace (mpipar.trace): 1 - (sum over ranks of
+forward + backward time) / (P * span from the first forward to the last backward), the median
+over steps. The peak stash of a stage is the most bytes nn.Module.cached_bytes() showed after
+any instruction, beside the prediction: the schedule's peak micro-batches in flight times one
+micro-batch's stash. The serial step is timed in this process on the whole model and the same
+batch.
+"""
+
+import argparse
+import statistics
+
+from mpipar.bench.common import PLOTS, cores, environment, median_time, run_ranks, write_csv
+
+WIDTH, ROWS, LAYERS = 1024, 64, 4  # per stage: LAYERS x (Linear(WIDTH, WIDTH), ReLU)
+NAIVE_MAX_M = 4  # naive's bubble is (p-1)/p for every m, and its steps are the longest
+MICRO = (1, 2, 4, 8, 16)
+SCHEDULE_NAMES = ("naive", "gpipe", "1f1b")
+RANKS = (2, 4)
+TIMELINE_M = 4
+
+
+def build_model(n_stages):
+    from mpipar import nn
+
+    layers = []
+    for i in range(n_stages * LAYERS):
+        layers += [(f"fc{i}", nn.Linear(WIDTH, WIDTH)), (f"act{i}", nn.ReLU())]
+    return nn.Sequential(layers)
+
+
+def batch(m):
+    from mpipar import backend as B
+    from mpipar import data
+
+    x = data.synthetic(0, (ROWS * m, WIDTH))
+    y = data.synthetic(1, (ROWS * m, WIDTH))  # regression targets for the MSE
+    return B.asarray(x, dtype=B.dtype), B.asarray(y, dtype=B.dtype)
+
+
+# ----------------------------------------------------------------------------- worker (mpirun)
+def worker(micro_counts, steps, warmup):
+    from mpi4py import MPI
+
+    from mpipar import backend as B
+    from mpipar import comm as C
+    from mpipar import nn, optim
+    from mpipar import pipeline as PP
+    from mpipar.bench.common import emit
+    from mpipar.grid import Grid
+    from mpipar.schedules import SCHEDULES, peak_in_flight
+    from mpipar.trace import TRACE
+
+    C.install_excepthook()
+    B.use("numpy", "float32")
+    pp = Grid(pp=C.world().size).pp_comm
+    P, r = pp.size, pp.rank
+    model = build_model(P)
+    bounds = PP.stage_bounds([2 * LAYERS] * P)[r]
+    loss_fn = nn.MSE()
+
+    probe = PP.build_stage(model, bounds, 0)  # one micro-batch's stash on this stage
+    probe.forward(batch(1)[0], 0)
+    per_micro = probe.cached_bytes()
+
+    for name in SCHEDULE_NAMES:
+        for m in [m for m in micro_counts if name != "naive" or m <= NAIVE_MAX_M]:
+            stage = PP.build_stage(model, bounds, 0)
+            opt = optim.SGD(stage.parameters(), lr=1e-4)
+            instructions = SCHEDULES[name](P, r, m)
+            x, y = batch(m)
+            inputs, targets = PP.micro_batches(x, m), PP.micro_batches(y, m)
+            samples, traces, peak = [], [], 0
+            for step in range(warmup + steps):
+                pp.Barrier()
+                TRACE.clear()
+                t0 = MPI.Wtime()
+                result = PP.run_pipeline(stage, instructions, pp, [ROWS] * m,
+                                         inputs=inputs if r == 0 else None,
+                                         targets=targets if r == P - 1 else None,
+                                         loss_fn=loss_fn, normalizer=y.size, optimizer=opt)
+                t = MPI.Wtime() - t0
+                peak = max(peak, result.peak_stash_bytes)
+                if step >= warmup:
+                    samples.append((t, PP.step_summary(TRACE.events)))
+                    traces.append([e[:4] + ({"micro": e[4]["micro"]} if "micro" in e[4] else {},)
+                                   for e in TRACE.events
+                                   if e[2] in ("forward", "backward", "optimizer")])
+            everyone = pp.gather_obj(dict(samples=samples, peak=peak, per_micro=per_micro,
+                                          in_flight=peak_in_flight(instructions),
+                                          traces=traces if m == TIMELINE_M else None))
+            if r == 0:
+                # the timeline shows the median step by duration, not one another process hit
+                typical = PP.median_step([[s[1] for s in e["samples"]] for e in everyone], skip=0)
+                step_times = [max(e["samples"][i][0] for e in everyone) for i in range(steps)]
+                bubbles = [PP.measured_bubble([e["samples"][i][1] for e in everyone])
+                           for i in range(steps)]
+                emit(dict(ranks=P, schedule=name, m=m, step_s=statistics.median(step_times),
+                          bubble=statistics.median(bubbles),
+                          peaks=[e["peak"] for e in everyone],
+                          per_micro=[e["per_micro"] for e in everyone],
+                          in_flight=[e["in_flight"] for e in everyone],
+                          events=[e["traces"][typical] for e in everyone]
+                          if m == TIMELINE_M else None))
+
+
+# ----------------------------------------------------------------------------- driver
+def serial_step_time(n_stages, m, repeats):
+    """Median time of one serial step of the same model on the same batch (this process)."""
+    from mpipar import backend as B
+    from mpipar import nn, optim, serial
+
+    B.use("numpy", "float32")
+    model = build_model(n_stages).init(0)
+    opt = optim.SGD(model.parameters(), lr=1e-4)
+    x, y = batch(m)
+    loss_fn = nn.MSE()
+    return median_time(lambda: serial.train_step(model, loss_fn, opt, x, y), repeats, warmup=1)
+
+
+def plot_bubble(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from mpipar.schedules import bubble_formula
+
+    fig, axes = plt.subplots(1, len(RANKS), figsize=(12, 4.4), sharey=True)
+    markers = {"naive": "s", "gpipe": "o", "1f1b": "^"}
+    for ax, p in zip(axes, RANKS):
+        ms = sorted({r["m"] for r in rows if r["ranks"] == p})
+        fine = [1 + i / 10 for i in range(10 * (max(ms) - 1) + 1)]
+        ax.plot(fine, [bubble_formula(p, m) for m in fine], "k-", lw=1,
+                label="(p-1)/(m+p-1)")
+        ax.plot(fine, [bubble_formula(p, m, "naive") for m in fine], "k:", lw=1,
+                label="(p-1)/p (naive)")
+        for name in SCHEDULE_NAMES:
+            pts = [r for r in rows if r["ranks"] == p and r["schedule"] == name]
+            ax.plot([r["m"] for r in pts], [r["bubble_measured"] for r in pts], markers[name],
+                    ms=7, alpha=0.8, label=f"{name} measured")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ms)
+        ax.set_xticklabels(ms)
+        ax.set_xlabel("micro-batches m")
+        over = " (4 ranks on 2 cores: oversubscribed)" if rows and any(
+            r["oversubscribed"] for r in rows if r["ranks"] == p) else ""
+        ax.set_title(f"P = {p} stages{over}", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("bubble (idle share of the step)")
+    fig.suptitle(f"pipeline bubble, measured from traces: {LAYERS} x Linear({WIDTH},{WIDTH}) "
+                 f"per stage, {ROWS} rows per micro-batch, float32")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_memory(rows, path, p, m):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    names = [n for n in SCHEDULE_NAMES
+             if any((r["ranks"], r["m"], r["schedule"]) == (p, m, n) for r in rows)]
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        pts = sorted((r for r in rows if (r["ranks"], r["m"], r["schedule"]) == (p, m, name)),
+                     key=lambda r: r["stage"])
+        xs = [r["stage"] + (i - (len(names) - 1) / 2) * width for r in pts]
+        ax.bar(xs, [r["peak_stash_bytes"] / 2**20 for r in pts], width, label=f"{name} measured")
+        ax.plot(xs, [r["predicted_stash_bytes"] / 2**20 for r in pts], "k_", ms=16, mew=2)
+    ax.plot([], [], "k_", ms=12, mew=2, label="predicted: in flight x one micro-batch")
+    ax.set_xticks(range(p))
+    ax.set_xticklabels([f"stage {s}" for s in range(p)])
+    ax.set_ylabel("peak stashed activations (MiB)")
+    ax.set_title(f"activation memory per stage, P = {p}, m = {m}: GPipe stashes m, 1F1B p - r",
+                 fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_timelines(results, p, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from mpipar.schedules import bubble_formula
+    from mpipar.trace import gantt
+
+    picked = [res for res in results if res["ranks"] == p and res["events"]]
+    picked.sort(key=lambda res: SCHEDULE_NAMES.index(res["schedule"]))
+    spans = [max(e[1] for ev in res["events"] for e in ev)
+             - min(e[0] for ev in res["events"] for e in ev) for res in picked]
+    fig, axes = plt.subplots(len(picked), 1, figsize=(11, 1.0 + 0.55 * p * len(picked)))
+    for ax, res in zip(axes, picked):
+        name = res["schedule"]
+        gantt([[tuple(e) for e in ev] for ev in res["events"]], None, ax=ax,
+              title=f"{name}: measured bubble {res['bubble']:.2f}, formula "
+                    f"{bubble_formula(p, TIMELINE_M, name):.2f}")
+        ax.set_xlim(0, max(spans) * 1e3 * 1.2)  # room on the right for the legend
+    fig.suptitle(f"one step on {p} stages ({p} ranks on {cores()} cores), m = {TIMELINE_M} "
+                 "micro-batches: real traces, the median step by duration")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m mpipar.bench pp")
+    ap.add_argument("--quick", action="store_true", help="fewer micro-batch counts and steps")
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per configuration")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--micro", default=",".join(map(str, MICRO)), help=argparse.SUPPRESS)
+    ap.add_argument("--warmup", type=int, default=2, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    micro = [int(v) for v in args.micro.split(",")]
+    if args.worker:
+        worker(micro, args.steps, args.warmup)
+        return
+    if args.quick:
+        micro, args.steps, args.warmup = [1, 4, 16], 3, 1
+
+    from mpipar.schedules import bubble_formula
+
+    results = []
+    for p in RANKS:
+        results += run_ranks(p, "mpipar.bench.pp", [
+            "--worker", "--micro", ",".join(map(str, micro)), "--steps", args.steps,
+            "--warmup", args.warmup])
+    serial = {(p, m): serial_step_time(p, m, 2 if args.quick else 5) for p in RANKS for m in micro}
+    rows = []
+    for res in results:
+        p, m, name = res["ranks"], res["m"], res["schedule"]
+        formula = bubble_formula(p, m, name)
+        for stage in range(p):
+            rows.append(dict(
+                environment(ranks=p), bench="pp",
+                model=f"{p * LAYERS} x Linear({WIDTH},{WIDTH})+ReLU", rows_per_micro=ROWS,
+                dtype="float32", schedule=name, m=m, stage=stage,
+                bubble_measured=round(res["bubble"], 4), bubble_formula=round(formula, 4),
+                step_ms=round(res["step_s"] * 1e3, 3),
+                serial_step_ms=round(serial[(p, m)] * 1e3, 3),
+                speedup_vs_serial=round(serial[(p, m)] / res["step_s"], 3),
+                peak_stash_bytes=res["peaks"][stage], in_flight=res["in_flight"][stage],
+                predicted_stash_bytes=res["in_flight"][stage] * res["per_micro"][stage],
+                steps_timed=args.steps))
+    path = write_csv("pp.csv", rows)
+    per_config = [r for r in rows if r["stage"] == 0]
+    pngs = [plot_bubble(per_config, PLOTS / "pp_bubble.png"),
+            plot_memory(rows, PLOTS / "pp_memory.png", 4, 8 if 8 in micro else max(micro)),
+            plot_timelines(results, 4, PLOTS / "pp_timelines.png")]
+    print(f"{'P':>2} {'schedule':<7} {'m':>3} {'bubble':>7} {'formula':>8} {'step ms':>8} "
+          f"{'serial ms':>9} {'speedup':>7}  peak stash per stage (KiB)")
+    for r in per_config:
+        peaks = [x["peak_stash_bytes"] // 1024 for x in rows
+                 if (x["ranks"], x["schedule"], x["m"]) == (r["ranks"], r["schedule"], r["m"])]
+        print(f"{r['ranks']:2d} {r['schedule']:<7} {r['m']:3d} {r['bubble_measured']:7.3f} "
+              f"{r['bubble_formula']:8.3f} {r['step_ms']:8.1f} {r['serial_step_ms']:9.1f} "
+              f"{r['speedup_vs_serial']:7.2f}  {peaks}"
+              + ("  (oversubscribed)" if r["oversubscribed"] else ""))
+    worst = max(abs(r["bubble_measured"] - r["bubble_formula"]) for r in per_config
+                if r["ranks"] == 2 and r["schedule"] != "naive")
+    print(f"target: at P=2 gpipe/1f1b within 0.05 of (p-1)/(m+p-1): worst gap {worst:.3f}, "
+          f"{'met' if worst <= 0.05 else 'NOT met'}")
+    mismatch = [r for r in rows if r["peak_stash_bytes"] != r["predicted_stash_bytes"]]
+    print(f"peak stash equals the prediction on every stage: {not mismatch}")
+    print(f"-> {path}, " + ", ".join(map(str, pngs)))
+
+
+if __name__ == "__main__":
+    main()
