@@ -100,8 +100,8 @@ def recv_tensor(pp_comm, source, tag, micro_id, rows, dtype):
     shape = tuple(int(v) for v in header[4:4 + ndim])
     try:
         got_dtype = np.dtype(chr(code))
-    except (TypeError, ValueError):
-        got_dtype = f"<code {code}>"
+    except (TypeError, ValueError, OverflowError):  # not a header at all
+        got_dtype = f"<dtype code {code}>"
     what = "activation" if tag == TAG_ACT else "gradient"
     if (got_tag, got_micro, got_dtype) != (tag, micro_id, np.dtype(dtype)) or \
             not shape or shape[0] != rows:
@@ -467,6 +467,10 @@ def main(argv=None):
     counts, flops = plan_stages(task, n_stages, m, args.partition)
     bounds = stage_bounds(counts)
     model = task.build_model()
+    comm.EXPLAIN = args.explain
+    a, b = bounds[stage_id]
+    comm.narrate(f"PP Step 1: stage {stage_id} holds layers {a}..{b - 1} of {len(model.layers)}: "
+                 + ", ".join(name for name, _ in model.layers[a:b]))
     stage = build_stage(model, bounds[stage_id], args.seed)
     opt = serial.make_optimizer(args, stage.parameters())
     instructions = SCHEDULES[args.schedule](n_stages, stage_id, m)
@@ -507,7 +511,11 @@ def main(argv=None):
     all_summaries = pp_comm.gather_obj(summaries)
     peaks = pp_comm.gather_obj(peak_stash)
     step_events = pp_comm.gather_obj(step_events)
+    comm.EXPLAIN = args.explain
+    comm.narrate("PP Step 9: the parameters stay on their stage; gather them to rank 0 only to "
+                 "evaluate" + (" and save" if args.save_params else ""))
     params = gather_params(stage, pp_comm)
+    comm.EXPLAIN = False
     in_flight = [peak_in_flight(SCHEDULES[args.schedule](n_stages, s, m)) for s in range(n_stages)]
     if pp_comm.rank != 0:
         return
