@@ -76,6 +76,7 @@ from mpipar.trace import TRACE, gantt
 TAG_ACT, TAG_GRAD, TAG_LOSS = 11, 12, 13
 HEADER_LEN = 10  # tag, micro-batch id, dtype code, ndim, up to 6 dims
 DEFAULT_TIMELINE = "pipeline-timeline.png"
+DRAWN = ("forward", "backward", "optimizer")  # trace kinds on the timeline; the rest is idle
 
 
 # ----------------------------------------------------------------------------- comm helpers
@@ -499,7 +500,7 @@ def main(argv=None):
             targets=micro_batches(y, m) if is_last_stage else None,
             loss_fn=task.loss_fn, normalizer=y.size, optimizer=opt)
         summaries.append(step_summary(TRACE.events))
-        step_events.append([e for e in TRACE.events if e[2] != "comm"])  # instructions only
+        step_events.append([e for e in TRACE.events if e[2] in DRAWN])
         peak_stash = max(peak_stash, result.peak_stash_bytes)
         loss = send_loss_to_rank0(pp_comm, result.loss)
         if pp_comm.rank == 0:
