@@ -166,15 +166,19 @@ class ScheduleError(Exception):
     """A schedule that would deadlock, mismatch a message, or run an instruction too early."""
 
 
-def simulate(lists, forward_cost=1.0, backward_cost=2.0):
+def simulate(lists, forward_cost=1.0, backward_cost=2.0, message_cost=0.0):
     """Execute every stage's list against the others; return per stage [(ins, start, end)].
 
-    A send is delivered at once (MPI's non-blocking send), a receive waits until its send has
-    happened and must get the micro-batch it names; forward and backward take the given times
-    and messages take none. Raises :class:`ScheduleError` on a deadlock, a receive matched to
-    another micro-batch, an instruction without its input, or a send nobody receives.
+    A send does not hold up its sender (MPI's non-blocking send); a receive waits until its
+    message has arrived, ``message_cost`` after the send, and must get the micro-batch it names.
+    Forward and backward take the given times: one number for every stage, or one per stage
+    (the cost model, :mod:`mpipar.simulate`, passes each stage's own). Raises
+    :class:`ScheduleError` on a deadlock, a receive matched to another micro-batch, an
+    instruction without its input, or a send nobody receives.
     """
     n = len(lists)
+    forward_cost = _per_stage(forward_cost, n)
+    backward_cost = _per_stage(backward_cost, n)
     channels = {}  # (src, dst, what) -> deque of (micro, time sent)
     done = [[] for _ in range(n)]  # per stage: (ins, start, end)
     clock = [0.0] * n
@@ -205,13 +209,13 @@ def simulate(lists, forward_cost=1.0, backward_cost=2.0):
             if k in st["fwd"] or (s > 0 and k not in st["act"]):
                 raise ScheduleError(f"stage {s}: {ins} without its input activation (or twice)")
             st["fwd"].add(k)
-            cost = forward_cost
+            cost = forward_cost[s]
         elif isinstance(ins, Backward):
             if k in st["bwd"] or k not in st["fwd"] or (s < n - 1 and k not in st["grad"]):
                 raise ScheduleError(f"stage {s}: {ins} before its forward or its output's "
                                     "gradient (or twice)")
             st["bwd"].add(k)
-            cost = backward_cost
+            cost = backward_cost[s]
         elif isinstance(ins, (SendAct, SendGrad)):
             dst, what, need = (s + 1, "act", "fwd") if isinstance(ins, SendAct) else \
                 (s - 1, "grad", "bwd")
@@ -219,7 +223,7 @@ def simulate(lists, forward_cost=1.0, backward_cost=2.0):
                 raise ScheduleError(f"stage {s}: {ins} has no stage {dst} to send to")
             if k not in st[need]:
                 raise ScheduleError(f"stage {s}: {ins} before the {need} that computes it")
-            channel(s, dst, what).append((k, t))
+            channel(s, dst, what).append((k, t + message_cost))
         elif isinstance(ins, OptimizerStep):
             if st["fwd"] != st["bwd"]:
                 raise ScheduleError(f"stage {s}: optimizer step with micro-batches "
@@ -242,6 +246,13 @@ def simulate(lists, forward_cost=1.0, backward_cost=2.0):
     if left:
         raise ScheduleError(f"messages sent but never received: {left}")
     return done
+
+
+def _per_stage(cost, n):
+    costs = list(cost) if hasattr(cost, "__len__") else [cost] * n
+    if len(costs) != n:
+        raise ValueError(f"{len(costs)} costs for {n} stages")
+    return costs
 
 
 def simulated_bubble(timeline):

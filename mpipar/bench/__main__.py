@@ -14,6 +14,7 @@ BENCHES = {
     "pp": "pipeline parallelism: bubble share, activation memory, step time",
     "tp": "tensor parallelism: step time and communication share against hidden size",
     "hybrid": "every DP x TP x PP layout of 4 ranks",
+    "flops": "the FLOP rate per rank while 1, 2 or 4 ranks compute at once",
 }
 
 

@@ -1,0 +1,482 @@
+"""The speedup report: run every benchmark, check the cost model against them, extrapolate,
+and write ``plots/REPORT.md`` with each plot and what it shows.
+
+    make report                      # or: python -m mpipar.report   (about 8 minutes on 2 cores)
+    python -m mpipar.report --plots-only   # redraw and rewrite from the CSVs already in plots/
+
+Every number in the report is read from a CSV that this run (or an earlier one) wrote; the cost
+model's numbers are labelled as predictions. The benchmarks run one after another, never at the
+same time, with one BLAS thread per rank.
+"""
+
+import argparse
+import importlib
+import os
+import sys
+import time
+
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+from mpipar.bench.common import PLOTS, cores, environment, read_csv, write_csv  # noqa: E402
+
+BENCHES = ["engine", "flops", "net", "dp", "tp", "pp", "hybrid"]
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _f(row, key):
+    return float(row[key])
+
+
+def _true(value):
+    return str(value) == "True"
+
+
+# ----------------------------------------------------------------------------- benchmarks
+def run_benchmarks(quick):
+    from tqdm import tqdm
+
+    times = {}
+    bar = tqdm(BENCHES, desc="benchmarks", file=sys.stderr)
+    for name in bar:
+        bar.set_postfix(running=name)
+        t0 = time.time()
+        importlib.import_module(f"mpipar.bench.{name}").main(["--quick"] if quick else [])
+        times[name] = time.time() - t0
+    return times
+
+
+# ----------------------------------------------------------------------------- scaling
+def scaling_rows():
+    """Speedup over one rank, per scheme and rank count, from the benchmarks' CSVs."""
+    rows = []
+    for r in read_csv("dp.csv"):
+        if r["mode"] in ("allreduce", "allreduce+overlap", "master"):
+            rows.append(dict(scheme=f"data parallel ({r['mode']})", ranks=int(r["ranks"]),
+                             speedup=_f(r, "speedup"), oversubscribed=_true(r["oversubscribed"])))
+    pp = [r for r in read_csv("pp.csv") if r["schedule"] == "1f1b" and r["stage"] == "0"]
+    m_max = max(int(r["m"]) for r in pp)
+    rows.append(dict(scheme=f"pipeline (1F1B, m={m_max})", ranks=1, speedup=1.0,
+                     oversubscribed=False))
+    for r in pp:
+        if int(r["m"]) == m_max:
+            rows.append(dict(scheme=f"pipeline (1F1B, m={m_max})", ranks=int(r["ranks"]),
+                             speedup=_f(r, "speedup_vs_serial"),
+                             oversubscribed=_true(r["oversubscribed"])))
+    tp = [r for r in read_csv("tp.csv") if r["batch"] == "4"]
+    h_max = max(int(r["hidden"]) for r in tp)
+    for r in tp:
+        if int(r["hidden"]) == h_max:
+            rows.append(dict(scheme=f"tensor parallel (block, h={h_max})", ranks=int(r["ranks"]),
+                             speedup=_f(r, "speedup"), oversubscribed=_true(r["oversubscribed"])))
+    return rows
+
+
+def plot_scaling(rows, path):
+    plt = _plt()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.4))
+    schemes = list(dict.fromkeys(r["scheme"] for r in rows))
+    top = max(r["ranks"] for r in rows)
+    for name in schemes:
+        pts = sorted((r["ranks"], r["speedup"], r["oversubscribed"]) for r in rows
+                     if r["scheme"] == name)
+        xs = [p for p, _, _ in pts]
+        line, = ax1.plot(xs, [s for _, s, _ in pts], "o-", label=name)
+        ax2.plot(xs, [s / p for p, s, _ in pts], "o-", color=line.get_color())
+        for p, s, over in pts:
+            if over:
+                ax1.annotate("oversubscribed", (p, s), fontsize=7, xytext=(4, -3),
+                             textcoords="offset points", color=line.get_color())
+    ax1.plot([1, top], [1, top], "k--", lw=1, label="ideal")
+    ax2.plot([1, top], [1, 1], "k--", lw=1)
+    for ax in (ax1, ax2):
+        ax.axvline(cores(), color="gray", ls=":", lw=1)
+        ax.text(cores(), ax.get_ylim()[1] * 0.95, f" {cores()} cores", fontsize=8, color="gray",
+                va="top")
+        ax.set_xlabel("ranks")
+        ax.set_xticks(sorted({r["ranks"] for r in rows}))
+        ax.grid(alpha=0.3)
+    ax1.set_ylabel("speedup over 1 rank")
+    ax2.set_ylabel("efficiency (speedup / ranks)")
+    ax1.legend(fontsize=8)
+    fig.suptitle("Speedup of each scheme on this machine "
+                 "(beyond the core count, ranks share cores)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- cost model check
+def validation_rows():
+    """Measured step time of every benchmarked configuration beside the cost model's.
+
+    The FLOP rate is measured in the same run: each benchmark's one-rank (or serial) step time
+    gives the effective rate of its own code on one core, and plots/flops.csv scales it for P
+    ranks computing at once. alpha and beta come from each benchmark's own ping-pong fit."""
+    from mpipar import simulate as S
+    from mpipar.bench.net import predict as allreduce_time
+
+    share = {int(r["ranks"]): _f(r, "share_of_one") for r in read_csv("flops.csv")}
+    out = []
+
+    # data parallelism: MLP, P replicas; compute from the simulator, exchange by algorithm
+    dp = read_csv("dp.csv")
+    algo = {"master": "master", "allreduce": "mpi", "ring": "ring", "zero1": "zero",
+            "allreduce+overlap": "mpi"}
+    for r in dp:
+        sizes = [int(v) for v in r["model"].split()[1].split(",")]
+        spec, batch = S.MLPSpec(tuple(sizes)), int(r["batch"])
+        one = next(x for x in dp if x["mode"] == r["mode"] and x["ranks"] == "1")
+        # backward ~ 2 forwards; the factor cancels, since the rate is measured on this model
+        flops = 3 * sum(t["flops"] for t in S.layer_table(spec, batch))
+        rate = flops / (_f(one, "step_ms") / 1e3)
+        p = int(r["ranks"])
+        hw = S.this_machine(rate, _f(r, "alpha"), _f(r, "beta"))
+        pred = S.predict(spec, hw, dp=p, global_batch=batch, dtype_bytes=4,
+                         compute_share=share[p])["compute_s"]
+        pred += allreduce_time(algo[r["mode"]], p, int(r["params"]) * 4, _f(r, "alpha"),
+                               _f(r, "beta"), _f(r, "gamma"))
+        out.append(dict(bench="dp", config=f"{r['mode']}, P={p}", ranks=p,
+                        measured_ms=_f(r, "step_ms"), predicted_ms=pred * 1e3))
+
+    # pipeline: the bench's balanced stack of Linear(W, W) + ReLU, replayed schedule
+    net = read_csv("net.csv")
+    alpha, beta = _f(net[0], "alpha"), _f(net[0], "beta")
+    for r in read_csv("pp.csv"):
+        if r["stage"] != "0":
+            continue
+        p, m, rows = int(r["ranks"]), int(r["m"]), int(r["rows_per_micro"])
+        width = int(r["model"].split("Linear(")[1].split(",")[0])
+        layers = int(r["model"].split(" x ")[0])
+        spec = S.MLPSpec(tuple([width] * (layers + 1)))
+        flops = 3 * sum(t["flops"] for t in S.layer_table(spec, rows * m))
+        rate = flops / (_f(r, "serial_step_ms") / 1e3)
+        hw = S.this_machine(rate, alpha, beta)
+        pred = S.predict(spec, hw, pp=p, global_batch=rows * m, n_micro=m,
+                         schedule=r["schedule"], dtype_bytes=4, compute_share=share[p])
+        out.append(dict(bench="pp", config=f"{r['schedule']}, P={p}, m={m}", ranks=p,
+                        measured_ms=_f(r, "step_ms"), predicted_ms=pred["step_s"] * 1e3))
+
+    # tensor parallelism: one transformer block, 4 allreduces of b*s*h per step
+    tp = read_csv("tp.csv")
+    for r in tp:
+        h, b, s, p = int(r["hidden"]), int(r["batch"]), int(r["seq"]), int(r["ranks"])
+        one = next(x for x in tp if x["hidden"] == r["hidden"] and x["batch"] == r["batch"]
+                   and x["ranks"] == "1")
+        spec = S.GPTSpec(0, h, int(r["heads"]), 1, s, blocks_only=True)
+        flops = 3 * S.layer_table(spec, b)[0]["flops"]
+        rate = flops / (_f(one, "step_ms") / 1e3)
+        hw = S.this_machine(rate, _f(r, "alpha"), _f(r, "beta"))
+        pred = S.predict(spec, hw, tp=p, global_batch=b, dtype_bytes=4, compute_share=share[p])
+        out.append(dict(bench="tp", config=f"h={h}, b={b}, s={s}, P={p}", ranks=p,
+                        measured_ms=_f(r, "step_ms"), predicted_ms=pred["step_s"] * 1e3))
+    for row in out:
+        row["error"] = row["predicted_ms"] / row["measured_ms"] - 1
+    return out
+
+
+def plot_validation(rows, path):
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.4, 5.6))
+    colors = {"dp": "#4C72B0", "pp": "#DD8452", "tp": "#55A868"}
+    for bench, color in colors.items():
+        pts = [r for r in rows if r["bench"] == bench]
+        ax.scatter([r["measured_ms"] for r in pts], [r["predicted_ms"] for r in pts], s=18,
+                   color=color, label=f"{bench} ({len(pts)} configurations)")
+    lo = min(min(r["measured_ms"], r["predicted_ms"]) for r in rows) * 0.7
+    hi = max(max(r["measured_ms"], r["predicted_ms"]) for r in rows) * 1.3
+    xs = [lo, hi]
+    ax.plot(xs, xs, "k-", lw=1, label="prediction = measurement")
+    ax.fill_between(xs, [x * 0.8 for x in xs], [x * 1.2 for x in xs], color="gray", alpha=0.2,
+                    label="within 20%")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured step time (ms)")
+    ax.set_ylabel("predicted step time (ms), mpipar.simulate")
+    inside = sum(abs(r["error"]) <= 0.2 for r in rows)
+    ax.set_title(f"Cost model against the benchmarks: {inside} of {len(rows)} within 20%")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- extrapolation
+FAMILIES = [(8, 16), (8, 8), (8, 4), (4, 16), (8, 1), (1, 1)]  # (tp, pp); dp fills the rest
+
+
+def extrapolation_rows(hardware=("a100", "h100")):
+    from mpipar import simulate as S
+
+    out = []
+    for hw in hardware:
+        for r in S.extrapolate(hw):
+            if (r["tp"], r["pp"]) in FAMILIES:
+                keep = {k: r[k] for k in ("dp", "tp", "pp", "devices", "n_micro", "step_s",
+                                          "compute_s", "tp_comm_s", "pp_comm_s", "bubble_s",
+                                          "dp_comm_s", "tokens_per_s", "efficiency", "fits",
+                                          "mem_total_bytes")}
+                out.append(dict(hardware=hw, **keep))
+    return out
+
+
+def plot_extrapolation(rows, path):
+    plt = _plt()
+    hardware = list(dict.fromkeys(r["hardware"] for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+    styles = {"a100": "-", "h100": "--"}
+    colors = {}
+    for hw in hardware:
+        for tp, pp in FAMILIES:
+            pts = sorted((r["devices"], r["tokens_per_s"], r["efficiency"]) for r in rows
+                         if r["hardware"] == hw and r["tp"] == tp and r["pp"] == pp and r["fits"])
+            if not pts:
+                continue
+            label = f"TP {tp} x PP {pp} x DP rest"
+            kw = dict(color=colors.get(label), ls=styles.get(hw, "-"), marker="o", ms=3)
+            line, = axes[0].plot([d for d, _, _ in pts], [t for _, t, _ in pts],
+                                 label=f"{label}, {hw.upper()}", **kw)
+            colors.setdefault(label, line.get_color())
+            axes[1].plot([d for d, _, _ in pts], [e for _, _, e in pts],
+                         **dict(kw, color=colors[label]))
+    axes[0].set_ylabel("predicted tokens / s")
+    axes[1].set_ylabel("model FLOPs / peak FLOPs")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("devices")
+        ax.grid(alpha=0.3, which="both")
+    axes[0].set_yscale("log")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("Cost model (prediction): GPT-3 175B, global batch 1536, 1F1B with activation "
+                 "recomputation, ZeRO-1; layouts that fit in 80 GB only")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- memory
+def plot_memory(path):
+    """Memory per rank of each layout of 4 ranks, from plots/hybrid.csv."""
+    rows = read_csv("hybrid.csv")
+    parts = [k for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes")
+             if k in rows[0]]
+    if not parts:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 4))
+    labels = [f"DP{r['dp']} TP{r['tp']} PP{r['pp']}" for r in rows]
+    bottom = [0.0] * len(rows)
+    for part in parts:
+        vals = [_f(r, part) / 2**20 for r in rows]
+        ax.bar(labels, vals, bottom=bottom, label=part.replace("_bytes", ""))
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_ylabel("MiB per rank (the largest rank)")
+    ax.set_title("Memory per rank for each layout of 4 ranks, same GPT")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------------- the report
+def _pct(x):
+    return f"{100 * x:.0f}%"
+
+
+def write_report(scaling, validation, extrapolation, bench_times):
+    """plots/REPORT.md: every plot with what it shows; every number read from a CSV."""
+    eng = read_csv("engine.csv")[0]
+    flops = {int(r["ranks"]): r for r in read_csv("flops.csv")}
+    net = read_csv("net.csv")[0]
+    dp = read_csv("dp.csv")
+    pp = [r for r in read_csv("pp.csv") if r["stage"] == "0"]
+    tp = read_csv("tp.csv")
+    env = environment()
+
+    def dp_speedup(mode, p):
+        return next(_f(r, "speedup") for r in dp if r["mode"] == mode and int(r["ranks"]) == p)
+
+    def pp_gap(p):
+        return max(abs(_f(r, "bubble_measured") - _f(r, "bubble_formula")) for r in pp
+                   if int(r["ranks"]) == p and r["schedule"] in ("gpipe", "1f1b"))
+
+    tp_big = [r for r in tp if r["batch"] == "4"]
+    crossover = tp_big[0].get("measured_crossover_hidden"), \
+        tp_big[0].get("predicted_crossover_hidden")
+    inside = [r for r in validation if abs(r["error"]) <= 0.2]
+    worst = sorted(validation, key=lambda r: -abs(r["error"]))[:3]
+    fits = [r for r in extrapolation if r["fits"]]
+    best = max(fits, key=lambda r: r["tokens_per_s"]) if fits else None
+
+    lines = [
+        "# mpipar speedup report",
+        "",
+        f"Written by `make report` on {env['cores']} cores (Python {env['python']}, NumPy "
+        f"{env['numpy']}, mpi4py {env['mpi4py']}, {env['mpi']}), one BLAS thread per rank. "
+        "Every number below is read from the CSV beside its plot; the cost model's numbers are "
+        "predictions and say so. Runs with more ranks than cores are marked *oversubscribed*: "
+        "their ranks share cores, so they show the price of sharing, not a speedup.",
+        "",
+        "Benchmark run times: " + ", ".join(f"{k} {v:.0f} s" for k, v in bench_times.items())
+        if bench_times else "Redrawn from the CSVs already in plots/ (`--plots-only`).",
+        "",
+        "## The engine",
+        "",
+        "![engine](engine.png)",
+        "",
+        f"One MLP training step through `mpipar.nn` takes {_f(eng, 'engine_ms'):.3f} ms against "
+        f"{_f(eng, 'bare_numpy_ms'):.3f} ms for the same arithmetic in bare NumPy: a ratio of "
+        f"{_f(eng, 'ratio'):.3f} (target at most 1.15; `engine.csv`). The layer abstraction costs "
+        "little next to the matrix products.",
+        "",
+        f"While 2 ranks compute at once, each sustains {_pct(_f(flops[2], 'share_of_one'))} of "
+        f"the FLOP rate of one rank alone; with 4 ranks on {env['cores']} cores, "
+        f"{_pct(_f(flops[4], 'share_of_one'))} (`flops.csv`). The cost model uses these shares.",
+        "",
+        "## Speedup of each scheme",
+        "",
+        "![scaling](scaling.png)",
+        "",
+        f"On 2 ranks, data parallelism with overlapped bucketed allreduce runs "
+        f"{dp_speedup('allreduce+overlap', 2):.2f}x faster than on one rank, and the seed's "
+        f"master scheme {dp_speedup('master', 2):.2f}x (`dp.csv`). "
+        "Pipeline and tensor parallelism split one model rather than the batch, so they pay "
+        "for the bubble and for allreduces inside every layer; their gain on this machine is "
+        "smaller (`pp.csv`, `tp.csv`). At 4 ranks the two cores are shared, and the efficiency "
+        "falls as it must.",
+        "",
+        "## Allreduce algorithms and the alpha-beta model",
+        "",
+        "![allreduce](net_allreduce.png)",
+        "",
+        f"A ping-pong in the same run fits alpha = {_f(net, 'alpha') * 1e6:.1f} us per message "
+        f"and beta = {_f(net, 'beta') * 1e9:.3f} ns per byte ({1 / _f(net, 'beta') / 1e9:.2f} "
+        "GB/s) (`net.csv`). The lines are the REFERENCE formulas with these values: the master "
+        "scheme (Reduce then Bcast through one root) moves the most data; MPI's Allreduce and the "
+        "hand-written ring track the bandwidth term for large messages. Small messages cost far "
+        "more than alpha when ranks sleep while they wait.",
+        "",
+        "## Data parallelism",
+        "",
+        "![data parallel](dp_speedup.png)",
+        "",
+        "Speedup and efficiency per sync mode, and the gradient exchange's measured MPI time "
+        "beside its prediction (`dp.csv`).",
+        "",
+        "## Pipeline parallelism",
+        "",
+        "![bubble](pp_bubble.png)",
+        "",
+        f"The bubble measured from the traces against (p-1)/(m+p-1): at P = 2 the largest gap "
+        f"over GPipe and 1F1B is {pp_gap(2):.3f} (target 0.05); at P = 4 (oversubscribed) "
+        f"{pp_gap(4):.3f}, since each message must wake a sleeping rank (`pp.csv`).",
+        "",
+        "![timelines](pp_timelines.png)",
+        "",
+        "Real traces of one step: naive runs one stage at a time; GPipe runs every forward, "
+        "then every backward; 1F1B starts backwards early, with the same idle time.",
+        "",
+        "![activation memory](pp_memory.png)",
+        "",
+        "Peak stashed activations per stage, measured: GPipe holds all m micro-batches on every "
+        "stage, 1F1B at most p - r on stage r, exactly as the schedules predict (`pp.csv`).",
+        "",
+        "## Tensor parallelism",
+        "",
+        "![tensor parallel](tp_comm_share.png)",
+        "",
+        f"Splitting one transformer block over 2 ranks adds 4 allreduces of b*s*h values per "
+        f"step. It starts to pay off at a hidden size of about {crossover[0]} on this machine; "
+        f"the alpha-beta model predicts about {crossover[1]} (`tp.csv`).",
+        "",
+    ]
+    if (PLOTS / "memory.png").exists():
+        lines += [
+            "## Memory per rank, every layout of 4 ranks",
+            "",
+            "![memory](memory.png)",
+            "",
+            "The same GPT on 4 ranks: data parallelism keeps everything on every rank; tensor "
+            "and pipeline parallelism divide parameters, gradients and optimizer state; the "
+            "pipeline's first stages also hold more micro-batches' activations (`hybrid.csv`).",
+            "",
+        ]
+    if (PLOTS / "hybrid.png").exists():
+        lines += ["![hybrid](hybrid.png)", "",
+                  "Step time and communication per group type for each layout (`hybrid.csv`).",
+                  ""]
+    lines += [
+        "## The cost model against the measurements",
+        "",
+        "![cost model](model_validation.png)",
+        "",
+        f"`python -m mpipar.simulate` predicts {len(inside)} of the {len(validation)} "
+        "benchmarked configurations within 20% of their measured step time "
+        "(`model_validation.csv`). Its FLOP rate is measured in the same run (each benchmark's "
+        "one-rank step, scaled by `flops.csv` for ranks computing at once), alpha and beta by "
+        "the ping-pong; the pipeline's time comes from replaying the actual schedule. "
+        "The largest misses: " + "; ".join(
+            f"{r['bench']} {r['config']}: predicted {r['predicted_ms']:.2f} ms, measured "
+            f"{r['measured_ms']:.2f} ms ({100 * r['error']:+.0f}%)" for r in worst) + ".",
+        "",
+    ]
+    if best:
+        lines += [
+            "## Extrapolation (prediction)",
+            "",
+            "![extrapolation](extrapolation.png)",
+            "",
+            "The same model with published A100 and H100 figures, derated to 50% of peak "
+            "(`mpipar/simulate.py > PRESETS`), for GPT-3 175B from 8 to 1024 devices "
+            f"(`extrapolation.csv`). The best predicted layout is TP {best['tp']} x PP "
+            f"{best['pp']} x DP {best['dp']} on {best['devices']} {best['hardware'].upper()}s: "
+            f"{best['tokens_per_s']:,.0f} tokens/s at {_pct(best['efficiency'])} of peak. "
+            "Small device counts cannot hold the model at all; tensor parallelism stays inside "
+            "a node of 8, and pipeline depth trades bubble for memory.",
+            "",
+        ]
+    (PLOTS / "REPORT.md").write_text("\n".join(lines))
+    return PLOTS / "REPORT.md"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m mpipar.report", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="each benchmark's short version")
+    ap.add_argument("--plots-only", action="store_true",
+                    help="skip the benchmarks: redraw and rewrite from the CSVs in plots/")
+    args = ap.parse_args(argv)
+    bench_times = {} if args.plots_only else run_benchmarks(args.quick)
+
+    scaling = scaling_rows()
+    write_csv("scaling.csv", scaling)
+    plot_scaling(scaling, PLOTS / "scaling.png")
+
+    validation = validation_rows()
+    write_csv("model_validation.csv", validation)
+    plot_validation(validation, PLOTS / "model_validation.png")
+
+    extrapolation = extrapolation_rows()
+    write_csv("extrapolation.csv", extrapolation)
+    plot_extrapolation(extrapolation, PLOTS / "extrapolation.png")
+
+    if (PLOTS / "hybrid.csv").exists():
+        plot_memory(PLOTS / "memory.png")
+    path = write_report(scaling, validation, extrapolation, bench_times)
+    inside = sum(abs(r["error"]) <= 0.2 for r in validation)
+    print(f"cost model within 20% for {inside} of {len(validation)} configurations")
+    print(f"report: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,309 @@
+"""Cost model: predict a training step's time and memory per rank for a DP x TP x PP layout.
+
+    python -m mpipar.simulate --d-model 64 --n-layers 4 --dp 1 --tp 2 --pp 2 --micro-batches 4
+    python -m mpipar.simulate --preset gpt3 --hardware h100 --dp 8 --tp 8 --pp 16
+
+From three measured numbers (or published ones for other hardware): the FLOP rate of one
+device, and alpha (seconds per message) and beta (seconds per byte) of its links, it predicts
+
+- compute: each layer's forward FLOPs from :meth:`mpipar.nn.Sequential.layer_flops` (backward
+  counted as twice the forward), divided over the tensor-parallel ranks;
+- tensor-parallel communication: per transformer block and micro-batch, 2 allreduces forward and
+  2 backward of b*s*h elements (Megatron-LM), each a ring: 2(t-1) alpha + 2(t-1)/t n beta;
+- pipeline: the stages cut by :func:`mpipar.pipeline.partition`, then the *actual* schedule
+  (:func:`mpipar.schedules.schedule`) replayed by :func:`mpipar.schedules.simulate` with each
+  stage's forward and backward times and alpha + n beta per activation or gradient message, so
+  the bubble comes out of the replay, not out of the closed formula (p-1)/(m+p-1);
+- data-parallel gradient allreduce once per step (ring over d ranks, not overlapped);
+- memory per rank: parameters, gradients, optimizer state (Adam: 2 values per parameter,
+  divided by d with ZeRO-1) and the activations of the most micro-batches a stage stashes.
+
+What it leaves out: overlap of communication with compute, the optimizer's time, kernel
+efficiency that changes with matrix size (one FLOP rate for all), and contention of the links.
+"""
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from mpipar import nn, schedules
+
+
+# ----------------------------------------------------------------------------- hardware
+@dataclass
+class Hardware:
+    """A device's sustained FLOP rate and its links' alpha-beta costs.
+
+    ``tp_*`` is the link inside a node (tensor parallel groups sit there), ``net_*`` the link
+    between nodes (pipeline and data parallel traffic)."""
+
+    name: str
+    flops: float  # sustained FLOP/s of one device
+    tp_alpha: float
+    tp_beta: float
+    net_alpha: float
+    net_beta: float
+    memory: float = float("inf")  # bytes per device
+    source: str = ""
+
+
+# Published peak figures, derated to 50% sustained for the FLOP rate (a typical
+# model-FLOPs utilisation for large transformer training, Narayanan et al. 2021, Sec. 5.1),
+# and one direction's bandwidth for the links.
+PRESETS = {
+    "a100": Hardware("A100 SXM 80GB, NVLink 3, HDR InfiniBand", flops=0.5 * 312e12,
+                     tp_alpha=5e-6, tp_beta=1 / 300e9, net_alpha=10e-6, net_beta=1 / 25e9,
+                     memory=80e9, source="312 TFLOP/s bf16 dense; NVLink 300 GB/s per direction; "
+                                         "200 Gb/s HDR per GPU"),
+    "h100": Hardware("H100 SXM 80GB, NVLink 4, NDR InfiniBand", flops=0.5 * 989e12,
+                     tp_alpha=5e-6, tp_beta=1 / 450e9, net_alpha=10e-6, net_beta=1 / 50e9,
+                     memory=80e9, source="989 TFLOP/s bf16 dense; NVLink 450 GB/s per direction; "
+                                         "400 Gb/s NDR per GPU"),
+}
+
+
+def this_machine(flops, alpha, beta, memory=24 * 2**30):
+    """The build machine: every link is shared memory, so one alpha and beta serve all."""
+    return Hardware("this machine (measured)", flops, alpha, beta, alpha, beta, memory,
+                    "FLOP rate and alpha/beta measured in the same run")
+
+
+# ----------------------------------------------------------------------------- the models
+@dataclass
+class GPTSpec:
+    """A GPT's sizes; ``blocks_only`` models just the transformer blocks (no embedding, head)."""
+
+    vocab: int
+    d_model: int
+    n_heads: int
+    n_layers: int
+    seq_len: int
+    blocks_only: bool = False
+
+    def model(self):
+        """The layer list (shapes only: parameters are never allocated)."""
+        if self.blocks_only:
+            return nn.Sequential((f"blocks.{i}", nn.Block(self.d_model, self.n_heads))
+                                 for i in range(self.n_layers))
+        return nn.GPT(self.vocab, self.d_model, self.n_heads, self.n_layers, self.seq_len)
+
+    def input_shape(self, rows):
+        return (rows, self.seq_len, self.d_model) if self.blocks_only else (rows, self.seq_len)
+
+    def message_bytes(self, rows, dtype_bytes):
+        """One activation (or gradient) between stages, and one tensor-parallel allreduce."""
+        return rows * self.seq_len * self.d_model * dtype_bytes
+
+    def stash_bytes(self, layer, rows, tp, dtype_bytes, recompute=False):
+        if not isinstance(layer, nn.Block):
+            return 0.0
+        if recompute:  # only the block's input is kept; the rest is recomputed in backward
+            return self.message_bytes(rows, dtype_bytes)
+        # Korthikanti et al. 2022: s b h (10 + 24/t + 5 a s / (h t)) bytes in 16-bit
+        s, h, a = self.seq_len, self.d_model, self.n_heads
+        return s * rows * h * (10 + 24 / tp + 5 * a * s / (h * tp)) * dtype_bytes / 2
+
+
+@dataclass
+class MLPSpec:
+    """An MLP of the given widths (Linear layers with ReLU between)."""
+
+    sizes: tuple
+
+    def model(self):
+        return nn.MLP(list(self.sizes))
+
+    def input_shape(self, rows):
+        return (rows, self.sizes[0])
+
+    def message_bytes(self, rows, dtype_bytes):
+        return rows * max(self.sizes[1:-1] or self.sizes) * dtype_bytes
+
+    def stash_bytes(self, layer, rows, tp, dtype_bytes, recompute=False):
+        if isinstance(layer, nn.Linear):  # a Linear keeps its input for dW = x^T dout
+            return rows * layer.W.shape[0] * dtype_bytes / tp
+        return 0.0
+
+
+GPT3 = GPTSpec(vocab=50257, d_model=12288, n_heads=96, n_layers=96, seq_len=2048)  # 175B
+
+
+def ring_allreduce_time(n_bytes, p, alpha, beta):
+    """2(p-1) alpha + 2(p-1)/p n beta (Thakur et al. 2005); zero on one rank."""
+    if p <= 1:
+        return 0.0
+    return 2 * (p - 1) * alpha + 2 * (p - 1) / p * n_bytes * beta
+
+
+def layer_table(spec, micro_rows, tp=1, dtype_bytes=2, recompute=False):
+    """Per layer: forward FLOPs for one micro-batch, parameters, whether it is a transformer
+    block (2 + 2 tensor-parallel allreduces), and the activation bytes it stashes."""
+    model = spec.model()
+    flops = model.layer_flops(spec.input_shape(micro_rows))
+    return [dict(name=name, flops=f, params=sum(p.size for p in layer.parameters()),
+                 block=isinstance(layer, nn.Block),
+                 stash=spec.stash_bytes(layer, micro_rows, tp, dtype_bytes, recompute))
+            for (name, layer), f in zip(model.layers, flops)]
+
+
+def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f1b",
+            dtype_bytes=2, zero=0, recompute=False, compute_share=1.0):
+    """Predicted step time (and its parts) and memory per rank.
+
+    ``recompute``: keep only each block's input and recompute its forward in backward (the
+    backward then costs 3 forwards instead of 2). ``compute_share`` scales the FLOP rate when
+    ranks share a core (oversubscription)."""
+    micro_rows = global_batch / (dp * n_micro)
+    if micro_rows < 1:
+        raise ValueError(f"global batch {global_batch} is too small for dp={dp} x m={n_micro}")
+    rows = max(1, round(micro_rows))
+    table = layer_table(spec, rows, tp, dtype_bytes, recompute)
+    scale = micro_rows / rows
+    counts = _partition([row["flops"] for row in table], pp)
+    rate = hw.flops * compute_share
+    act_bytes = spec.message_bytes(micro_rows, dtype_bytes)  # one activation or its gradient
+    allreduce = ring_allreduce_time(act_bytes, tp, hw.tp_alpha, hw.tp_beta)
+    backward_factor = 3.0 if recompute else 2.0
+
+    fwd, bwd, stage_params, stage_blocks, stage_stash = [], [], [], [], []
+    start = 0
+    for c in counts:
+        layers = table[start:start + c]
+        start += c
+        flops = sum(r["flops"] for r in layers) * scale / tp
+        blocks = sum(r["block"] for r in layers)
+        # 2 allreduces per block forward and 2 backward (Megatron-LM, Sec. 3)
+        fwd.append(flops / rate + 2 * blocks * allreduce)
+        bwd.append(backward_factor * flops / rate + 2 * blocks * allreduce)
+        stage_params.append(sum(r["params"] for r in layers) / tp)
+        stage_blocks.append(blocks)
+        stage_stash.append(sum(r["stash"] for r in layers) * scale)
+
+    message = hw.net_alpha + act_bytes * hw.net_beta if pp > 1 else 0.0
+    lists = schedules.schedule(schedule, pp, n_micro)
+    timeline = schedules.simulate(lists, forward_cost=fwd, backward_cost=bwd,
+                                  message_cost=message)
+    pipeline_time = max(end for events in timeline for _, _, end in events)
+    busiest = int(np.argmax([n_micro * (f + b) for f, b in zip(fwd, bwd)]))
+
+    grad_bytes = max(stage_params) * dtype_bytes
+    dp_time = ring_allreduce_time(grad_bytes, dp, hw.net_alpha, hw.net_beta)
+    total = pipeline_time + dp_time
+
+    compute = n_micro * (fwd[busiest] + bwd[busiest] - 4 * stage_blocks[busiest] * allreduce)
+    tp_comm = n_micro * 4 * stage_blocks[busiest] * allreduce
+    pp_comm = 2 * n_micro * message if pp > 1 else 0.0
+    bubble = max(0.0, pipeline_time - compute - tp_comm - pp_comm)
+
+    peak = [schedules.peak_in_flight(ins) for ins in lists]
+    params = max(stage_params)
+    memory = dict(
+        params=params * dtype_bytes,
+        grads=params * dtype_bytes,
+        optimizer=params * 2 * 4 / (dp if zero else 1),  # Adam m and v in float32
+        activations=max(p * b for p, b in zip(peak, stage_stash)),
+    )
+    memory["total"] = sum(memory.values())
+    tokens = global_batch * getattr(spec, "seq_len", 1)
+    return dict(
+        dp=dp, tp=tp, pp=pp, devices=dp * tp * pp, n_micro=n_micro, schedule=schedule,
+        step_s=total, compute_s=compute, tp_comm_s=tp_comm, pp_comm_s=pp_comm, bubble_s=bubble,
+        dp_comm_s=dp_time, tokens_per_s=tokens / total,
+        model_flops_per_s=6 * sum(r["params"] for r in table) * tokens / total,
+        fits=memory["total"] <= hw.memory, partition=counts,
+        **{f"mem_{k}_bytes": v for k, v in memory.items()},
+    )
+
+
+def _partition(costs, n_stages):
+    from mpipar.pipeline import partition
+
+    return partition(costs, n_stages)
+
+
+# ----------------------------------------------------------------------------- extrapolation
+def gpt3_layouts(n_devices, per_node=8):
+    """Layouts for n devices: TP inside a node (at most 8), PP across nodes, DP for the rest."""
+    out = []
+    for tp in (1, 2, 4, 8):
+        for pp in (1, 2, 4, 8, 16, 32, 64):
+            if tp > per_node or n_devices % (tp * pp):
+                continue
+            dp = n_devices // (tp * pp)
+            out.append((dp, tp, pp))
+    return out
+
+
+def extrapolate(hw_name="a100", global_batch=1536, devices=(8, 16, 32, 64, 128, 256, 512, 1024)):
+    """Best predicted layout per device count, and a few fixed layout families, for GPT-3."""
+    hw = PRESETS[hw_name]
+    rows = []
+    for n in devices:
+        for dp, tp, pp in gpt3_layouts(n):
+            n_micro = max(1, min(global_batch // dp, 4 * pp if pp > 1 else 1))
+            if global_batch % (dp * n_micro):
+                continue
+            r = predict(GPT3, hw, dp, tp, pp, global_batch, n_micro, "1f1b", dtype_bytes=2,
+                        zero=1, recompute=True)
+            r["efficiency"] = r["model_flops_per_s"] / (n * hw.flops / 0.5)  # of peak
+            rows.append(r)
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m mpipar.simulate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=["gpt3"], help="a published model instead of the flags")
+    ap.add_argument("--vocab", type=int, default=96)
+    ap.add_argument("--d-model", type=int, default=64)
+    ap.add_argument("--n-heads", type=int, default=4)
+    ap.add_argument("--n-layers", type=int, default=2)
+    ap.add_argument("--seq-len", type=int, default=32)
+    ap.add_argument("--batch-size", type=int, default=32, help="global batch")
+    ap.add_argument("--dp", type=int, default=1)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--micro-batches", type=int, default=1)
+    ap.add_argument("--schedule", choices=list(schedules.SCHEDULES), default="1f1b")
+    ap.add_argument("--hardware", choices=["this", *PRESETS], default="this")
+    ap.add_argument("--flops", type=float, default=20e9, help="FLOP/s, with --hardware this")
+    ap.add_argument("--alpha", type=float, default=5e-6, help="s per message, --hardware this")
+    ap.add_argument("--beta", type=float, default=1 / 8e9, help="s per byte, --hardware this")
+    ap.add_argument("--dtype-bytes", type=int, default=4)
+    ap.add_argument("--zero", type=int, choices=[0, 1], default=0)
+    ap.add_argument("--recompute", action="store_true", help="recompute activations in backward")
+    ap.add_argument("--json", action="store_true", help="print the prediction as JSON")
+    args = ap.parse_args(argv)
+    spec = GPT3 if args.preset == "gpt3" else GPTSpec(args.vocab, args.d_model, args.n_heads,
+                                                       args.n_layers, args.seq_len)
+    hw = this_machine(args.flops, args.alpha, args.beta) if args.hardware == "this" \
+        else PRESETS[args.hardware]
+    r = predict(spec, hw, args.dp, args.tp, args.pp, args.batch_size, args.micro_batches,
+                args.schedule, args.dtype_bytes, args.zero, args.recompute)
+    if args.json:
+        print(json.dumps(dict(r, hardware=asdict(hw))))
+        return
+    print(f"{hw.name}: GPT {spec}")
+    print(f"layout dp={args.dp} tp={args.tp} pp={args.pp}, {args.micro_batches} micro-batches, "
+          f"{args.schedule}; layers per stage {r['partition']}")
+    print(f"predicted step {_ms(r['step_s'])}: compute {_ms(r['compute_s'])}, tensor-parallel "
+          f"comm {_ms(r['tp_comm_s'])}, pipeline comm {_ms(r['pp_comm_s'])}, bubble "
+          f"{_ms(r['bubble_s'])}, data-parallel comm {_ms(r['dp_comm_s'])}")
+    print(f"throughput {r['tokens_per_s']:,.0f} tokens/s")
+    mem = {k[4:-6]: v for k, v in r.items() if k.startswith("mem_")}
+    print("memory per rank: " + ", ".join(f"{k} {_gb(v)}" for k, v in mem.items())
+          + ("" if r["fits"] else "  (does not fit)"))
+
+
+def _ms(seconds):
+    return f"{seconds * 1e3:.3f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def _gb(n):
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
+if __name__ == "__main__":
+    main()
