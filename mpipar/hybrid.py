@@ -1,0 +1,368 @@
+"""Hybrid 3D parallelism: data x tensor x pipeline parallel training on one process grid
+(Megatron-LM's PTD-P, Narayanan et al. 2021).
+
+    mpirun -n 8 python -m mpipar.hybrid --dp 2 --tp 2 --pp 2
+    mpirun -n 4 python -m mpipar.hybrid --dp 2 --pp 2 --schedule gpipe --micro-batches 4
+    mpirun -n 8 python -m mpipar.hybrid --dp 2 --tp 2 --pp 2 --print-grid
+
+N = D * T * P ranks form a grid (:class:`mpipar.grid.Grid`): the T ranks of a tensor-parallel
+group hold slices of the same layers, the P stages of a pipeline hold consecutive layers, and
+the D data-parallel replicas each hold the whole model (as T x P pieces) and train on different
+rows of the batch. Tensor-parallel ranks vary fastest, then stages, then replicas::
+
+    world_rank = dp * (P * T) + pp * T + tp
+
+Nothing here is a fourth copy of a scheme: the layers are :mod:`mpipar.tensor_parallel`'s, the
+stages and schedules :mod:`mpipar.pipeline`'s, the gradient sum :mod:`mpipar.data_parallel`'s;
+each takes its communicator from the grid. The steps, each under an ``HY Step N`` banner:
+
+1. Carve COMM_WORLD into the grid: ``tp_comm``, ``pp_comm`` and ``dp_comm`` by ``Split``. A
+   layout whose product is not N is refused on every rank, with the list of valid ones.
+2. Each rank builds its piece: the tensor-parallel model (the same flat layers and names as
+   nn.GPT, its matrices split over ``tp_comm``), cut to this rank's pipeline stage where the
+   dense model's FLOPs balance; every shard starts at its slice of the serial weights. The last
+   stage's loss is the vocabulary-parallel cross-entropy (its logits stay split).
+3. Each replica takes its rows of the global batch (every rank makes the whole batch from
+   (seed, step)) and cuts them into m micro-batches. The loss divides by the target count of
+   the WHOLE global batch, so gradients summed over micro-batches and replicas are the serial
+   gradient, with no further scaling.
+4. The pipeline runs its schedule (naive, GPipe or 1F1B) over ``pp_comm``; inside a stage
+   every layer is tensor parallel, with its Allreduces over ``tp_comm``.
+5. At the pipeline's optimizer step, after its last backward, the gradients are summed over
+   ``dp_comm``, once per step (:class:`mpipar.data_parallel.GradSync`: one Allreduce of a flat
+   buffer, or buckets; with ``--overlap`` the buckets start during the last backward).
+6. Each rank updates its own shards and replicated parameters
+   (:class:`mpipar.tensor_parallel.LocalUpdate`): the replicas make the same update, nothing
+   is sent.
+7. To evaluate or save, the model is gathered to world rank 0 under the serial names: the
+   shards inside each stage of replica 0, then the stages along its pipeline.
+
+Communication per rank per step (b global batch, m micro-batches, r = b / (D m) rows per
+micro-batch, s sequence, h width, V vocabulary, w bytes per element, n_own the bytes of this
+rank's parameters, about |theta| w / (T P)):
+
+- tp (T > 1), per micro-batch: 4 Allreduces of r*s*h*w per block on the stage (2 forward,
+  2 backward), 1 for the embedding on the first stage, 1 of r*s*h*w plus 3 of r*s*w for the
+  output layer and the cross-entropy on the last stage. Ring cost 2(T-1)/T of each.
+- pp (P > 1), per micro-batch and stage boundary: one activation forward and one gradient
+  back, r*s*h*w each, plus an 80-byte header (every tp rank sends its own copy).
+- dp (D > 1): one Allreduce of n_own bytes (k with k buckets): 2(D-1)/D * n_own with a ring.
+
+Why that nesting (Narayanan et al. 2021, arXiv:2104.04473, Sec. 3): tensor parallelism talks
+several times per layer and micro-batch, so its groups are neighbouring ranks (one node, fast
+links); the pipeline talks once per micro-batch and stage boundary, point to point; data
+parallelism talks once per step and can hide behind the backward, so it is outermost.
+
+Left out: the scatter/gather optimisation between stages (Megatron sends 1/T of an activation
+and allgathers it on arrival; here every tp rank sends all of it), interleaved stages, ZeRO
+over the data-parallel group, sequence parallelism, and a hand-written ring for the dp sum.
+"""
+
+import argparse
+
+from mpipar import backend as B
+from mpipar import comm, nn, serial
+from mpipar import data_parallel as DP
+from mpipar import pipeline as PP
+from mpipar import tensor_parallel as TP
+from mpipar.grid import Grid
+from mpipar.schedules import SCHEDULES, Backward
+from mpipar.trace import TRACE
+
+
+# ----------------------------------------------------------------------------- comm helpers
+def sum_over(group, value):
+    """The sum of one float per rank of ``group`` (small metadata: pickled allgather), the
+    same on every rank because every rank adds the same list in the same order."""
+    return sum(group.allgather_obj(value))
+
+
+def ranks_of_stage(grid, stage):
+    """World ranks that hold pipeline stage ``stage``, over every replica and tp rank."""
+    sizes = (grid.dp_size, grid.tp_size, grid.pp_size)
+    return [Grid.rank_of(d, stage, t, sizes) for d in range(grid.dp_size)
+            for t in range(grid.tp_size)]
+
+
+# ----------------------------------------------------------------------------- the scheme
+# -- HY Step 1: carve COMM_WORLD into the data x tensor x pipeline grid --
+def make_grid(dp, tp, pp, mpi_comm=None):
+    """The grid's three communicators for this rank (a wrong product is refused by Grid on
+    every rank, listing the layouts that fit the job)."""
+    grid = Grid(dp, tp, pp, mpi_comm)
+    comm.narrate(f"HY Step 1: world rank {grid.world.rank} is dp={grid.dp_rank} "
+                 f"tp={grid.tp_rank} pp={grid.pp_rank}: tp group of {grid.tp_size}, pipeline "
+                 f"of {grid.pp_size} stages, {grid.dp_size} replica(s)")
+    return grid
+
+
+class SyncingStage(nn.Sequential):
+    """A stage whose backward of the step's LAST micro-batch runs layer by layer and tells
+    the gradient sync which parameters are final (what DDP's hooks do), so ``--overlap`` can
+    launch a bucket's Iallreduce while the layers before it still run backward."""
+
+    def __init__(self, stage, sync, last_micro):
+        super().__init__(stage.layers)
+        self.sync, self.last_micro = sync, last_micro
+
+    def backward(self, dout, micro_id=0):
+        if micro_id != self.last_micro:
+            return super().backward(dout, micro_id)
+        self.sync.start()  # this backward makes every gradient final
+        return DP.backward_layers(self, dout, micro_id, self.sync.grads_ready)
+
+
+class Hybrid:
+    """One rank of the 3D trainer: ``__init__`` is Step 2, :meth:`step` Steps 3 to 6 for one
+    global batch (Steps 5 and 6 run inside the pipeline, at its optimizer step)."""
+
+    def __init__(self, args, task, grid):
+        self.args, self.task, self.grid = args, task, grid
+        self.dp_comm, self.tp_comm, self.pp_comm = grid.dp_comm, grid.tp_comm, grid.pp_comm
+        n_stages, m = grid.pp_size, args.micro_batches
+        self.stage_id = grid.pp_rank
+        self.is_first_stage = self.stage_id == 0
+        self.is_last_stage = self.stage_id == n_stages - 1
+
+        # -- HY Step 2: each rank builds its piece: this stage's layers, tensor parallel --
+        counts, self.flops = PP.plan_stages(task, n_stages, m, args.partition)  # dense FLOPs
+        self.bounds = PP.stage_bounds(counts)
+        tp_model = TP.build_tp_model(task, self.tp_comm)  # every layer, none initialised yet
+        self.layer_names = [name for name, _ in tp_model.layers]
+        stage = PP.build_stage(tp_model, self.bounds[self.stage_id], args.seed)
+        self.stage = stage
+        self.loss_fn = TP.tp_loss(task, self.tp_comm) if self.is_last_stage else None
+        self.instructions = SCHEDULES[args.schedule](n_stages, self.stage_id, m)
+        self.rows = comm.split_rows(args.batch_size, grid.dp_size)  # rows per replica
+        self.lo = sum(self.rows[:grid.dp_rank])
+        self.micro_rows = comm.split_rows(self.rows[grid.dp_rank], m)
+        self.update = SyncedUpdate(stage, self.dp_comm,
+                                   lambda params: serial.make_optimizer(args, params),
+                                   args.bucket_mb, args.overlap)
+        self.module = stage
+        if args.overlap and self.update.sync is not None:
+            last = [ins.micro for ins in self.instructions if isinstance(ins, Backward)][-1]
+            self.module = SyncingStage(stage, self.update.sync, last)
+        a, b = self.bounds[self.stage_id]
+        shards, replicated = TP.split_parameters(stage)
+        comm.narrate(f"HY Step 2: stage {self.stage_id} holds layers "
+                     f"{', '.join(self.layer_names[a:b])}: {len(shards)} shards "
+                     f"({sum(p.size for p in shards):,} numbers) and {len(replicated)} "
+                     f"replicated parameters ({sum(p.size for p in replicated):,} numbers)")
+        self.peak_stash_bytes = 0
+
+    def step(self, step):
+        """One training step; returns the global batch's loss on world rank 0 (the pipeline's
+        first stage of every replica gets it too), None elsewhere."""
+        a, task, grid = self.args, self.task, self.grid
+        m = a.micro_batches
+
+        # -- HY Step 3: each replica takes its rows of the global batch, as micro-batches --
+        n_rows = self.rows[grid.dp_rank]
+        comm.narrate(f"HY Step 3: no message: replica {grid.dp_rank} takes rows {self.lo}.."
+                     f"{self.lo + n_rows - 1} of the global batch in {m} micro-batch(es) of "
+                     f"{self.micro_rows} rows; the loss divides by the global target count")
+        x_host, y_host = task.batch(step)  # the whole global batch, from (seed, step)
+        x, y = task.to_device(x_host[self.lo:self.lo + n_rows], y_host[self.lo:self.lo + n_rows])
+        normalizer = y_host.size  # targets in the GLOBAL batch, not in this replica's rows
+
+        # -- HY Step 4: the pipeline runs its schedule; inside a stage every layer is TP --
+        comm.narrate(f"HY Step 4: stage {self.stage_id} runs the {a.schedule} schedule over "
+                     f"pp_comm; its layers Allreduce over tp_comm ({grid.tp_size} rank(s))")
+        result = PP.run_pipeline(
+            self.module, self.instructions, self.pp_comm, self.micro_rows,
+            inputs=PP.micro_batches(x, m) if self.is_first_stage else None,
+            targets=PP.micro_batches(y, m) if self.is_last_stage else None,
+            loss_fn=self.loss_fn, normalizer=normalizer, optimizer=self.update)
+        self.peak_stash_bytes = max(self.peak_stash_bytes, result.peak_stash_bytes)
+        loss = None
+        if self.is_last_stage:  # each replica's loss covers its rows only: add the replicas'
+            loss = sum_over(self.dp_comm, result.loss)
+        return PP.send_loss_to_rank0(self.pp_comm, loss)
+
+    def memory(self):
+        """Bytes this rank holds: parameters, gradients, optimizer state, peak activations."""
+        params = self.stage.parameters()
+        return {"param_bytes": sum(p.data.nbytes for p in params),
+                "grad_bytes": sum(p.grad.nbytes for p in params),
+                "optimizer_state_bytes": self.update.local.opt.state_bytes(),
+                "activation_bytes": self.peak_stash_bytes}
+
+
+class SyncedUpdate:
+    """The ``optimizer`` the pipeline calls at its OptimizerStep, after the stage's last
+    backward: Step 5 sums the gradients over ``dp_comm``, Step 6 steps each rank's optimizer
+    on its own shards and replicated parameters. With one replica there is nothing to sum."""
+
+    def __init__(self, stage, dp_comm, make_opt, bucket_mb=None, overlap=False):
+        self.dp_comm = dp_comm
+        self.local = TP.LocalUpdate(stage, make_opt)
+        self.sync = None
+        if dp_comm.size > 1:
+            self.sync = DP.GradSync(dp_comm, stage.parameters(), "allreduce", bucket_mb, overlap)
+
+    def step(self):
+        # -- HY Step 5: after the last backward, sum the gradients over the dp group --
+        if self.sync is not None:
+            n_bytes = sum(b.flat.nbytes for b in self.sync.buckets)
+            comm.narrate(f"HY Step 5: Allreduce(SUM) of this rank's {n_bytes:,} gradient bytes "
+                         f"over its {self.dp_comm.size} replicas in {len(self.sync.buckets)} "
+                         "bucket(s): the sum is the serial gradient (global normaliser)")
+            with TRACE.span("sync", "HY Step 5"):
+                self.sync.finish()
+
+        # -- HY Step 6: each rank updates its own shards and replicated parameters --
+        comm.narrate("HY Step 6: every rank updates its own shards and replicated parameters; "
+                     "the replicas make the same update, so nothing is sent")
+        self.local.step()
+
+
+# -- HY Step 7: gather the whole model to world rank 0: shards per stage, then the stages --
+def gather_model(task, trainer):
+    """{canonical name: full host array} of the whole model on world rank 0, None elsewhere.
+
+    Replica 0 only: each stage's tp group gathers its shards to its tp rank 0
+    (tensor_parallel.gather_full_params), which puts them into a dense copy of the stage; the
+    tp-rank-0 ranks of replica 0 form one pipeline group, and pipeline.gather_params collects
+    the dense stages on its stage 0, which is world rank 0."""
+    grid = trainer.grid
+    if grid.dp_rank != 0:
+        return None
+    comm.narrate(f"HY Step 7: stage {trainer.stage_id} of replica 0 gathers its shards to tp "
+                 "rank 0, then the stages go to world rank 0")
+    full = TP.gather_full_params(trainer.stage, grid.tp_comm)
+    if grid.tp_rank != 0:
+        return None
+    a, b = trainer.bounds[trainer.stage_id]
+    dense = nn.Sequential(task.build_model().layers[a:b])  # the serial layers, uninitialised
+    for name, p in dense.named_parameters():
+        p.name = name
+        p.set(B.to_numpy(full[name]))
+    return PP.gather_params(dense, grid.pp_comm)
+
+
+# ----------------------------------------------------------------------------- command line
+def parse_args(argv, world_size):
+    """The serial trainer's flags plus the grid's, the pipeline's and the gradient sync's.
+    Every rank runs the same checks and refuses bad input with one message."""
+    ap = argparse.ArgumentParser(
+        prog="mpirun -n N python -m mpipar.hybrid",
+        description="Train with data x tensor x pipeline parallelism on N = dp*tp*pp ranks.")
+    ap.error = lambda message: comm.refuse(f"{message} (see --help)")
+    serial.add_common_args(ap)
+    for action in ap._actions:
+        if action.dest == "model":
+            action.default = "gpt"
+            action.help = ("gpt (default): character-level GPT; mlp: digits (column/row "
+                           "pairs as in tensor_parallel, the classifier replicated)")
+    g = ap.add_argument_group("the process grid")
+    g.add_argument("--dp", type=int, help="data-parallel replicas (default: N // (tp*pp))")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage (1)")
+    g.add_argument("--pp", type=int, default=1, help="pipeline stages (1)")
+    g.add_argument("--print-grid", action="store_true",
+                   help="print every rank's (dp, tp, pp) coordinate and groups, then exit")
+    g = ap.add_argument_group("pipeline")
+    g.add_argument("--schedule", default="1f1b", choices=list(SCHEDULES),
+                   help="naive, gpipe or 1f1b (default 1f1b)")
+    g.add_argument("--micro-batches", type=int, metavar="M",
+                   help="micro-batches per replica and step (default: 4, or fewer if a "
+                        "replica has fewer rows)")
+    g.add_argument("--partition", metavar="N,N,...",
+                   help="layers per stage by hand (default: balance the dense FLOPs)")
+    g = ap.add_argument_group("gradient sum over the data-parallel group")
+    g.add_argument("--bucket-mb", type=float, default=None,
+                   help="buckets of about X MiB in reverse layer order (default: one bucket; "
+                        "25 with --overlap, as PyTorch DDP)")
+    g.add_argument("--overlap", action="store_true",
+                   help="start each bucket's Iallreduce during the last backward")
+    g.add_argument("--explain", action="store_true",
+                   help="narrate each step and every MPI call of the first step, every rank")
+    args = ap.parse_args(argv)
+    try:
+        serial.finish_args(args)
+    except SystemExit as err:  # finish_args exits with "error: ..." on every rank
+        comm.refuse(str(err.code).replace("error: ", "", 1))
+    for flag in ("tp", "pp", "dp"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            comm.refuse(f"--{flag} must be at least 1, got {value}")
+    if args.dp is None:
+        args.dp = max(world_size // (args.tp * args.pp), 1)
+    rows = args.batch_size // args.dp  # the fewest rows a replica gets
+    if args.micro_batches is None:
+        args.micro_batches = max(1, min(4, rows))
+    if args.micro_batches < 1:
+        comm.refuse(f"--micro-batches must be at least 1, got {args.micro_batches}")
+    if args.batch_size < args.dp * args.micro_batches:
+        comm.refuse(f"the global batch of {args.batch_size} rows cannot be split over "
+                    f"{args.dp} replicas x {args.micro_batches} micro-batch(es): every "
+                    f"micro-batch needs a row (use --batch-size >= "
+                    f"{args.dp * args.micro_batches}, or fewer replicas or micro-batches)")
+    if args.bucket_mb is not None and args.bucket_mb <= 0:
+        comm.refuse(f"--bucket-mb must be positive, got {args.bucket_mb}")
+    if args.overlap and args.bucket_mb is None:
+        args.bucket_mb = 25.0  # PyTorch DDP's default bucket size
+    return args
+
+
+def main(argv=None):
+    comm.install_excepthook()
+    world = comm.world()
+    args = parse_args(argv, world.size)
+    comm.EXPLAIN = args.explain
+    grid = make_grid(args.dp, args.tp, args.pp)
+    if args.print_grid:
+        text = grid.describe()
+        comm.log(f"grid dp {grid.dp_size} x tp {grid.tp_size} x pp {grid.pp_size} = "
+                 f"{world.size} ranks; world_rank = dp*{grid.pp_size * grid.tp_size} + "
+                 f"pp*{grid.tp_size} + tp\n{text}")
+        return
+    task = serial.Task(args)
+    problem = TP.size_problem(args, grid.tp_size, task.data.vocab if task.kind == "gpt" else None)
+    if problem:
+        comm.refuse(problem)
+    trainer = Hybrid(args, task, grid)
+
+    n_params = sum(p.size for p in task.build_model().parameters())
+    sync = "" if grid.dp_size == 1 else (
+        f", dp gradient sum in {len(trainer.update.sync.buckets)} bucket(s)"
+        + (" overlapped" if args.overlap else ""))
+    comm.log(f"hybrid: {args.model} with {n_params:,} parameters on {world.size} ranks = dp "
+             f"{grid.dp_size} x tp {grid.tp_size} x pp {grid.pp_size}, schedule "
+             f"{args.schedule}, {args.micro_batches} micro-batch(es) per replica{sync}; "
+             f"{args.steps} steps of global batch {args.batch_size} (rows per replica "
+             f"{trainer.rows}), {args.optim} lr {args.lr}, {args.dtype}")
+    total = max(sum(trainer.flops), 1)
+    for s, (a, b) in enumerate(trainer.bounds):
+        names = ", ".join(trainer.layer_names[a:b])
+        comm.log(f"  stage {s} (ranks {ranks_of_stage(grid, s)}): {names:<28} "
+                 f"{sum(trainer.flops[a:b]) / total:4.0%} of the forward FLOPs")
+
+    bar = serial.progress(args.steps, f"hybrid {grid.dp_size}x{grid.tp_size}x{grid.pp_size}",
+                          args.quiet or world.rank != 0)
+    loss = None
+    for step in bar:
+        comm.EXPLAIN = args.explain and step == 0
+        loss = trainer.step(step)
+        if world.rank == 0:
+            bar.set_postfix(loss=f"{loss:.4f}")
+            if args.log_every and (step + 1) % args.log_every == 0:
+                bar.write(f"step {step + 1:5d}  loss {loss:.4f}")
+    comm.EXPLAIN = args.explain
+    params = gather_model(task, trainer)
+    comm.EXPLAIN = False
+    memory = world.gather_obj(trainer.memory())
+    if world.rank != 0:
+        return
+    full = PP.assemble_model(task, params)
+    print(serial.report(task.evaluate(full.forward), loss), flush=True)
+    print("bytes per rank (parameters, gradients, optimizer state, peak activations): "
+          f"max {max(sum(m.values()) for m in memory):,}, min "
+          f"{min(sum(m.values()) for m in memory):,}", flush=True)
+    if args.save_params:
+        serial.save_params(args.save_params, params.items())
+        print(f"saved parameters to {args.save_params}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
