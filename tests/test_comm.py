@@ -1,5 +1,6 @@
 """comm under mpirun: results, counted bytes, refusals, and failure of one rank."""
 
+import os
 import time
 
 from conftest import MPI_SCRIPTS
@@ -22,3 +23,17 @@ def test_one_rank_exception_ends_the_job_quickly(mpirun):
     assert "deliberate failure on rank 2" in proc.stderr
     assert "unreachable" not in proc.stdout
     assert elapsed < 10, f"the job took {elapsed:.1f} s to end"
+
+
+def test_waiting_ranks_do_not_spin_when_ranks_outnumber_cores(mpirun):
+    """4 ranks on this machine's cores: the ranks that wait must leave the CPU to the others."""
+    out = mpirun(4, [MPI_SCRIPTS / "idle_wait.py"], timeout=60,
+                 env={"MPIPAR_WAIT": "sleep"} if os.cpu_count() >= 4 else {})
+    assert out.stdout.count("waited") == 3
+
+
+def test_a_spinning_wait_is_caught(mpirun):
+    """The same check fails when waiting ranks spin: the test above can fail."""
+    proc = mpirun(4, [MPI_SCRIPTS / "idle_wait.py"], timeout=60, check=False,
+                  env={"MPIPAR_WAIT": "spin"})
+    assert proc.returncode != 0 and "burned" in proc.stderr
