@@ -89,6 +89,7 @@ def shortened(command):
 def test_command_runs(command, tmp_path):
     bin_dir = Path(sys.executable).parent
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+               MPIPAR_PLOTS=str(tmp_path),  # benchmarks write here, not over plots/
                PATH=f"{bin_dir}{os.pathsep}{Path(find_mpirun()).parent}{os.pathsep}"
                     f"{os.environ['PATH']}")
     cmd = shortened(command)
