@@ -1,0 +1,153 @@
+"""mpirun -n N python tests/mpi/hybrid_checks.py: the 3D hybrid against the serial trainer.
+
+For every layout (D, T, P) of the job's N ranks that the suite names (4 ranks: (2,1,2),
+(1,2,2), (2,2,1); 8 ranks: (2,2,2)), with GPipe and 1F1B, float64, one grid per layout carved
+from COMM_WORLD in this one launch; checked on every rank:
+- the loss of every step equals the serial trainer's, and after 3 steps every parameter this
+  rank holds equals its slice of the serial parameter (relative error <= 1e-10);
+- the data-parallel replicas are bitwise identical, and so are the tensor-parallel copies of
+  the replicated parameters;
+- the gradients cross dp_comm ONCE per step (one Allreduce of this rank's gradient bytes),
+  after the stage's last backward; with --overlap, one Iallreduce per bucket;
+- the model gathered to world rank 0 is the whole serial model under the serial names, and
+  the comparison would catch a one-element slip.
+Also a GPT with buckets and overlap, and an MLP whose stage boundary cuts a column/row pair
+(the activation between the stages is split over the tp ranks).
+"""
+
+import argparse
+import hashlib
+import sys
+
+import numpy as np
+
+from mpipar import backend as B
+from mpipar import comm as C
+from mpipar import hybrid as H
+from mpipar import serial
+from mpipar import tensor_parallel as TP
+from mpipar.trace import TRACE
+
+C.install_excepthook()
+world = C.world()
+N, RANK = world.size, world.rank
+STEPS, TOL = 3, 1e-10
+GPT = ["--model", "gpt", "--d-model", "8", "--n-heads", "2", "--n-layers", "2", "--seq-len",
+       "8", "--batch-size", "8"]
+MLP = ["--model", "mlp", "--sizes", "64,16,16,10", "--batch-size", "8"]
+LAYOUTS = {4: [(2, 1, 2), (1, 2, 2), (2, 2, 1)], 8: [(2, 2, 2)]}[N]
+EXTRA = {  # (layout, schedule, model flags, extra flags)
+    4: [((1, 2, 2), "gpipe", MLP, []), ((2, 1, 2), "1f1b", GPT, ["--bucket-mb", "0.001",
+                                                                  "--overlap"])],
+    8: [((2, 2, 2), "1f1b", GPT, ["--bucket-mb", "0.001", "--overlap"])],
+}[N]
+TASKS, REFS = {}, {}
+
+
+def task_for(flags):
+    """One Task (and its data) per model, shared by the layouts."""
+    key = tuple(flags)
+    if key not in TASKS:
+        ap = serial.add_common_args(argparse.ArgumentParser())
+        args = serial.finish_args(ap.parse_args(flags + ["--dtype", "float64"]))
+        TASKS[key] = serial.Task(args)
+    return TASKS[key]
+
+
+def serial_run(flags):
+    """The serial trainer's losses per step and parameters after STEPS steps."""
+    key = tuple(flags)
+    if key not in REFS:
+        task = task_for(flags)
+        model = task.build_model().init(task.args.seed)
+        opt = serial.make_optimizer(task.args, model.parameters())
+        losses = [serial.train_step(model, task.loss_fn, opt, *task.to_device(*task.batch(s)))
+                  for s in range(STEPS)]
+        REFS[key] = losses, {n: B.to_numpy(p.data).copy() for n, p in model.named_parameters()}
+    return REFS[key]
+
+
+def rel_err(a, b):
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-300))
+
+
+def digest(params):
+    return hashlib.sha256(b"".join(B.to_numpy(p.data).tobytes() for p in params)).hexdigest()
+
+
+def check_sync(trainer, name):
+    """One step's traffic over dp_comm: one Allreduce per bucket of exactly this rank's
+    gradient bytes, none of it before the stage's last backward unless overlapped."""
+    params = trainer.stage.parameters()
+    stats = trainer.dp_comm.stats
+    if trainer.grid.dp_size == 1:
+        assert trainer.update.sync is None and not stats, (name, dict(stats))
+        return
+    n_buckets = len(trainer.update.sync.buckets)
+    want = sum(p.data.nbytes for p in params)
+    assert stats["Allreduce"]["calls"] == n_buckets, (name, dict(stats["Allreduce"]))
+    assert stats["Allreduce"]["sent"] == want, (name, stats["Allreduce"]["sent"], want)
+    assert set(stats) == {"Allreduce"}, (name, set(stats))
+    last_backward = max(e[1] for e in TRACE.events if e[2] == "backward")
+    dp_calls = [e for e in TRACE.events if e[2] == "comm" and e[4].get("comm") == "dp"]
+    if trainer.args.overlap:
+        assert n_buckets > 1, (name, "overlap test needs several buckets")
+        launched_after = trainer.update.sync.launch_log  # gradients final at each launch
+        assert launched_after[0] < len(params), (name, "no bucket started during backward")
+    else:
+        assert all(e[0] >= last_backward for e in dp_calls), f"{name}: dp sync before backward"
+
+
+def check(layout, schedule, flags, extra=()):
+    d, t, p = layout
+    name = f"{flags[1]} dp={d} tp={t} pp={p} {schedule} {' '.join(extra)}"
+    ref_losses, ref_params = serial_run(flags)
+    task = task_for(flags)
+    args = H.parse_args(flags + ["--dtype", "float64", "--dp", str(d), "--tp", str(t), "--pp",
+                                 str(p), "--schedule", schedule, "--micro-batches", "2", *extra],
+                      N)
+    grid = H.make_grid(d, t, p)
+    trainer = H.Hybrid(args, task, grid)
+    for step in range(STEPS):
+        for group in (grid.dp_comm, grid.tp_comm, grid.pp_comm):
+            group.reset_stats()
+        TRACE.clear()
+        loss = trainer.step(step)
+        check_sync(trainer, name)
+        if RANK == 0:
+            assert abs(loss - ref_losses[step]) <= 1e-12 * abs(ref_losses[step]), \
+                (name, step, loss, ref_losses[step])
+    assert trainer.stage.cached_bytes() == 0, (name, "activations left in the cache")
+    for pname, prm in trainer.stage.named_parameters():  # this rank's piece, as it is
+        want = prm.select(ref_params[pname], prm.rank) if TP.is_sharded(prm) \
+            else ref_params[pname]
+        err = rel_err(B.to_numpy(prm.data), want)
+        assert err <= TOL, f"{name}: rank {RANK} {pname} relative error {err:.2e}"
+    mine = digest(trainer.stage.parameters())
+    assert set(grid.dp_comm.allgather_obj(mine)) == {mine}, f"{name}: dp replicas differ"
+    _, replicated = TP.split_parameters(trainer.stage)
+    mine = digest(replicated)
+    assert set(grid.tp_comm.allgather_obj(mine)) == {mine}, f"{name}: tp copies differ"
+    full = H.gather_model(task, trainer)
+    if RANK != 0:
+        assert full is None, (name, RANK)
+        return
+    assert list(full) == list(ref_params), (name, list(full))
+    for pname, value in full.items():
+        err = rel_err(value, ref_params[pname])
+        assert err <= TOL, f"{name}: gathered {pname} relative error {err:.2e}"
+    pname = list(full)[len(full) // 2]  # the check catches a one-element slip of 1e-9
+    bad = full[pname].copy()
+    bad.flat[bad.size // 2] += 1e-9 * np.abs(bad).max()
+    assert rel_err(bad, ref_params[pname]) > TOL
+
+
+B.use("numpy", "float64")
+for layout in LAYOUTS:
+    for schedule in ("gpipe", "1f1b"):
+        check(layout, schedule, GPT)
+for layout, schedule, flags, extra in EXTRA:
+    check(layout, schedule, flags, extra)
+world.Barrier()
+C.log(f"hybrid checks passed on {N} ranks")
+sys.exit(0)

@@ -1,0 +1,105 @@
+"""Hybrid 3D parallelism under mpirun: every layout of 4 and 8 ranks in the issue, with GPipe
+and 1F1B, equals the serial trainer; the command line (with synchronous sends) reports and
+saves what the serial trainer does; the grid prints as the layout formula says; bad layouts and
+sizes end every rank with one message."""
+
+import re
+import time
+
+import numpy as np
+import pytest
+from conftest import MPI_SCRIPTS, ROOT
+
+from mpipar import serial
+
+TINY_GPT = ["--model", "gpt", "--d-model", "8", "--n-heads", "2", "--n-layers", "2",
+            "--seq-len", "8", "--batch-size", "8", "--steps", "3", "--dtype", "float64",
+            "--quiet"]
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_every_layout_equals_serial(mpirun, n):
+    """4 ranks: (D,T,P) = (2,1,2), (1,2,2), (2,2,1); 8 ranks: (2,2,2); each with gpipe and 1f1b,
+    plus overlapped buckets and an MLP cut inside a column/row pair: losses, every parameter
+    (rel. err <= 1e-10), replicas bitwise, one dp Allreduce per step after the last backward."""
+    out = mpirun(n, [MPI_SCRIPTS / "hybrid_checks.py"], timeout=90)
+    assert f"hybrid checks passed on {n} ranks" in out.stdout
+
+
+def test_no_deadlock_with_synchronous_sends(mpirun):
+    """MPIPAR_SSEND=1: a send completes only when received, so no ordering that relies on MPI
+    buffering a message (between stages, or against a tp or dp collective) can pass."""
+    out = mpirun(4, [MPI_SCRIPTS / "hybrid_checks.py"], timeout=90, env={"MPIPAR_SSEND": "1"})
+    assert "hybrid checks passed on 4 ranks" in out.stdout
+
+
+def test_command_line_matches_serial_with_synchronous_sends(mpirun, tmp_path, capsys):
+    saved = tmp_path / "hybrid.npz"
+    out = mpirun(8, ["-m", "mpipar.hybrid", "--dp", "2", "--tp", "2", "--pp", "2", *TINY_GPT,
+                     "--schedule", "gpipe", "--micro-batches", "2", "--explain",
+                     "--save-params", saved], timeout=90, env={"MPIPAR_SSEND": "1"}).stdout
+    serial.main(TINY_GPT + ["--save-params", str(tmp_path / "serial.npz")])
+    want = [line for line in capsys.readouterr().out.splitlines() if "final" in line]
+    assert [line for line in out.splitlines() if "final" in line] == want
+    ref, got = serial.load_params(tmp_path / "serial.npz"), serial.load_params(saved)
+    assert sorted(got) == sorted(ref)
+    for name, value in got.items():
+        np.testing.assert_allclose(value, ref[name], rtol=1e-10, atol=1e-14, err_msg=name)
+    assert re.search(r"stage 0 \(ranks \[0, 1, 4, 5\]\): embed, blocks\.0 ", out), out
+    # --explain: every rank narrates Steps 1-6 of the first step once; replica 0 gathers
+    for rank in range(8):
+        for step in range(1, 7):
+            assert out.count(f"[rank {rank}] HY Step {step}:") == 1, (rank, step)
+        assert out.count(f"[rank {rank}] HY Step 7:") == (rank < 4), rank
+    assert "[dp rank 1] Allreduce" in out and "[tp rank 1] Allreduce" in out
+    assert "[pp rank 1] Send" in out
+
+
+def test_print_grid_follows_the_layout_formula(mpirun):
+    """--tp 2 alone on 4 ranks: dp defaults to 4 // 2 = 2, pp to 1."""
+    out = mpirun(4, ["-m", "mpipar.hybrid", "--tp", "2", "--print-grid"], timeout=30).stdout
+    assert "grid dp 2 x tp 2 x pp 1 = 4 ranks; world_rank = dp*2 + pp*2 + tp" in out, out
+    for rank in range(4):
+        dp, tp = divmod(rank, 2)
+        assert (f"rank {rank}: dp={dp} tp={tp} pp=0   tp group {[2 * dp, 2 * dp + 1]}   "
+                f"pp group [{rank}]   dp group {[tp, tp + 2]}") in out, out
+
+
+BAD = {
+    "product is not the job": (4, ["--dp", "3"],
+                               "dp*tp*pp = 3*1*1 = 3, but the job has 4 ranks. Layouts for 4 "
+                               "ranks: --dp 1 --tp 1 --pp 4, --dp 1 --tp 2 --pp 2"),
+    "heads not divisible": (4, ["--tp", "4", "--n-heads", "2"],
+                            "the head count --n-heads 2 is not divisible by the 4 "
+                            "tensor-parallel ranks"),
+    "too many stages": (4, ["--pp", "4", "--model", "mlp", "--sizes", "64,10"],
+                        "4 pipeline stages but the mlp model has only 1 layers"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_is_refused_on_every_rank_quickly(mpirun, case):
+    n, flags, message = BAD[case]
+    t0 = time.time()
+    proc = mpirun(n, ["-m", "mpipar.hybrid", "--quiet", *flags], timeout=30, check=False)
+    assert proc.returncode != 0
+    assert message in proc.stderr and proc.stderr.count("error:") == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert time.time() - t0 < 15
+
+
+def test_every_step_has_one_banner_in_order():
+    source = (ROOT / "mpipar" / "hybrid.py").read_text()
+    steps = [int(n) for n in re.findall(r"^\s*# -- HY Step (\d+): .+ --$", source, re.M)]
+    assert steps == list(range(1, 8)), steps
+
+
+def test_built_from_the_three_schemes():
+    """The hybrid reuses the schemes' code: it makes no MPI call of its own on arrays and
+    defines no layer."""
+    source = (ROOT / "mpipar" / "hybrid.py").read_text()
+    for name in ("TP.build_tp_model", "TP.tp_loss", "TP.LocalUpdate", "TP.gather_full_params",
+                 "PP.plan_stages", "PP.build_stage", "PP.run_pipeline", "PP.gather_params",
+                 "DP.GradSync"):
+        assert name in source, name
+    assert not re.search(r"\.(Allreduce|Iallreduce|Send|Isend|Recv|Bcast)\(", source)
