@@ -185,7 +185,7 @@ class Hybrid:
         params = self.stage.parameters()
         return {"param_bytes": sum(p.data.nbytes for p in params),
                 "grad_bytes": sum(p.grad.nbytes for p in params),
-                "optimizer_state_bytes": self.update.local.opt.state_bytes(),
+                "optimizer_bytes": self.update.local.opt.state_bytes(),
                 "activation_bytes": self.peak_stash_bytes}
 
 
