@@ -7,6 +7,7 @@ from COMM_WORLD in this one launch; checked on every rank:
   rank holds equals its slice of the serial parameter (relative error <= 1e-10);
 - the data-parallel replicas are bitwise identical, and so are the tensor-parallel copies of
   the replicated parameters;
+- the tp and pp bytes of a step equal the module docstring's formula;
 - the gradients cross dp_comm ONCE per step (one Allreduce of this rank's gradient bytes),
   after the stage's last backward; with --overlap, one Iallreduce per bucket;
 - the model gathered to world rank 0 is the whole serial model under the serial names, and
@@ -31,7 +32,7 @@ from mpipar.trace import TRACE
 C.install_excepthook()
 world = C.world()
 N, RANK = world.size, world.rank
-STEPS, TOL = 3, 1e-10
+STEPS, TOL, W = 3, 1e-10, 8  # W: bytes per float64
 GPT = ["--model", "gpt", "--d-model", "8", "--n-heads", "2", "--n-layers", "2", "--seq-len",
        "8", "--batch-size", "8"]
 MLP = ["--model", "mlp", "--sizes", "64,16,16,10", "--batch-size", "8"]
@@ -75,6 +76,24 @@ def digest(params):
     return hashlib.sha256(b"".join(B.to_numpy(p.data).tobytes() for p in params)).hexdigest()
 
 
+def check_traffic(trainer, name):
+    """A GPT step's tp and pp bytes equal the module docstring's formula: per micro-batch of r
+    rows, 4 Allreduces of r*s*h numbers per block (+1 embedding, +1 output layer and 3 of r*s
+    for the cross-entropy), and one activation or gradient of r*s*h numbers (+ an 80-byte
+    header) per send across a stage boundary, plus the loss (8 bytes) to stage 0."""
+    a, g = trainer.args, trainer.grid
+    lo, hi = trainer.bounds[trainer.stage_id]
+    n_blocks = sum(n.startswith("blocks.") for n in trainer.layer_names[lo:hi])
+    first, last = trainer.is_first_stage, trainer.is_last_stage
+    act = [r * a.seq_len * a.d_model * W for r in trainer.micro_rows]
+    tp = 0 if g.tp_size == 1 else (4 * n_blocks + first + last) * sum(act) \
+        + last * 3 * sum(r * a.seq_len * W for r in trainer.micro_rows)
+    pp = 0 if g.pp_size == 1 else ((not first) + (not last)) * sum(n + 80 for n in act) \
+        + 8 * last
+    assert trainer.tp_comm.total("sent") == tp, (name, trainer.tp_comm.total("sent"), tp)
+    assert trainer.pp_comm.total("sent") == pp, (name, trainer.pp_comm.total("sent"), pp)
+
+
 def check_sync(trainer, name):
     """One step's traffic over dp_comm: one Allreduce per bucket of exactly this rank's
     gradient bytes, none of it before the stage's last backward unless overlapped."""
@@ -114,6 +133,8 @@ def check(layout, schedule, flags, extra=()):
         TRACE.clear()
         loss = trainer.step(step)
         check_sync(trainer, name)
+        if task.kind == "gpt":
+            check_traffic(trainer, name)
         if RANK == 0:
             assert abs(loss - ref_losses[step]) <= 1e-12 * abs(ref_losses[step]), \
                 (name, step, loss, ref_losses[step])
