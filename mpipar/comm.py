@@ -182,8 +182,8 @@ class Comm:
         t1 = MPI.Wtime()
         TRACE.add(t0, t1, "comm", op, comm=self.name, detail=detail, bytes=nbytes)
         if EXPLAIN:
-            print(f"[{self.name} rank {self.rank}] {op:<14} {detail:<34} {_fmt_bytes(nbytes):>9}"
-                  f"  {(t1 - t0) * 1e3:7.3f} ms", flush=True)
+            _say(f"[{self.name} rank {self.rank}] {op:<14} {detail:<34} {_fmt_bytes(nbytes):>9}"
+                 f"  {(t1 - t0) * 1e3:7.3f} ms")
 
     def reset_stats(self):
         self.stats.clear()
@@ -366,10 +366,16 @@ class Comm:
         return self.mpi.allgather(obj)
 
 
+def _say(line):
+    """One write per line, so that lines of ranks printing at once never merge mid-line."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def narrate(text):
     """With --explain, print a line about the step being run, prefixed by the world rank."""
     if EXPLAIN:
-        print(f"[rank {MPI.COMM_WORLD.Get_rank()}] {text}", flush=True)
+        _say(f"[rank {MPI.COMM_WORLD.Get_rank()}] {text}")
 
 
 def world():

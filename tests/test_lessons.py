@@ -4,7 +4,8 @@ A lesson cites code as `mpipar/<file>.py > Step N` (a banner ``# -- XX Step N: .
 file) or `mpipar/<file>.py > Name` / `> Class.method` (a definition found with ast). Commands
 are the ``$ ...`` lines of ```console blocks; each one runs from the repository root and must
 exit 0. Training commands that set no ``--steps`` run shortened to 3 steps (``--steps 3
---quiet`` appended) and benchmarks with ``--quick``, so the suite stays fast.
+--quiet`` added before any pipe) and benchmarks with ``--quick``, so the suite stays fast.
+Benchmarks write into a scratch folder (``MPIPAR_PLOTS``), never over the committed plots.
 """
 
 import ast
@@ -33,6 +34,7 @@ def commands():
     for lesson in LESSONS:
         for block in re.findall(r"```console\n(.*?)```", lesson.read_text(), re.S):
             for line in block.splitlines():
+                line = line.strip()  # a block indented under a list item counts too
                 if line.startswith("$ "):
                     yield pytest.param(line[2:], id=f"{lesson.stem}:{line[2:60]}")
 
@@ -78,11 +80,13 @@ def test_pictures_exist(lesson):
 
 
 def shortened(command):
-    if TRAINERS.search(command) and not re.search(r"--help|--print|--steps", command):
-        return command + " --steps 3 --quiet"
-    if "-m mpipar.bench" in command and "--help" not in command:
-        return command + " --quick"
-    return command
+    """The command with its flags for a short run added to its first part (before any pipe)."""
+    first, pipe, rest = command.partition(" | ")
+    if TRAINERS.search(first) and not re.search(r"--help|--print|--steps", first):
+        first += " --steps 3 --quiet"
+    elif "-m mpipar.bench" in first and "--help" not in first:
+        first += " --quick"
+    return first + pipe + rest
 
 
 @pytest.mark.parametrize("command", list(commands()))
