@@ -178,6 +178,22 @@ def validation_rows():
         pred = S.predict(spec, hw, tp=p, global_batch=b, dtype_bytes=4, compute_share=share[p])
         out.append(dict(bench="tp", config=f"h={h}, b={b}, s={s}, P={p}", ranks=p,
                         measured_ms=_f(r, "step_ms"), predicted_ms=pred["step_s"] * 1e3))
+    # hybrid: the course's GPT on every layout of 4 ranks, rate from the serial step
+    if (PLOTS / "hybrid.csv").exists():
+        from mpipar.data import Text
+
+        vocab = Text().vocab
+        for r in read_csv("hybrid.csv"):
+            d_model, heads, layers, seq = (int(v[1:]) for v in r["model"].split()[1:])
+            spec = S.GPTSpec(vocab, d_model, heads, layers, seq)
+            batch, m = int(r["batch"]), int(r["micro_batches"])
+            rate = 3 * sum(t["flops"] for t in S.layer_table(spec, batch)) / \
+                (_f(r, "serial_step_ms") / 1e3)
+            hw = S.this_machine(rate, alpha, beta)
+            pred = S.predict(spec, hw, int(r["dp"]), int(r["tp"]), int(r["pp"]), batch, m,
+                             r["schedule"], dtype_bytes=4, compute_share=share[int(r["ranks"])])
+            out.append(dict(bench="hybrid", config=r["layout"], ranks=int(r["ranks"]),
+                            measured_ms=_f(r, "step_ms"), predicted_ms=pred["step_s"] * 1e3))
     for row in out:
         row["error"] = row["predicted_ms"] / row["measured_ms"] - 1
     return out
@@ -186,7 +202,7 @@ def validation_rows():
 def plot_validation(rows, path):
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.4, 5.6))
-    colors = {"dp": "#4C72B0", "pp": "#DD8452", "tp": "#55A868"}
+    colors = {"dp": "#4C72B0", "pp": "#DD8452", "tp": "#55A868", "hybrid": "#C44E52"}
     for bench, color in colors.items():
         pts = [r for r in rows if r["bench"] == bench]
         ax.scatter([r["measured_ms"] for r in pts], [r["predicted_ms"] for r in pts], s=18,
