@@ -524,8 +524,10 @@ def main(argv=None):
     print(serial.report(task.evaluate(full.forward), loss), flush=True)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     oversubscribed = f" ({n_stages} ranks on {cores} cores)" if n_stages > cores else ""
+    steps = f"steps 2..{args.steps}" if args.steps > 2 else \
+        ("step 2" if args.steps == 2 else "step 1, the only one")
     print(f"bubble measured from the trace {median_bubble(all_summaries):.3f} (median over "
-          f"steps 2..{args.steps}), (p-1)/(m+p-1) = {bubble_formula(n_stages, m):.3f}"
+          f"{steps}), (p-1)/(m+p-1) = {bubble_formula(n_stages, m):.3f}"
           f"{oversubscribed}", flush=True)
     print("peak activation stash per stage: " + ", ".join(
         f"{_fmt_bytes(b)} ({k} micro-batch{'es' if k > 1 else ''})"
