@@ -26,6 +26,7 @@ to put an alpha-beta prediction beside their own measured communication time.
 
 import argparse
 import math
+import os
 import statistics
 import time
 
@@ -215,6 +216,7 @@ def main(argv=None):
 
     from mpipar.bench.common import cores
 
+    load = os.getloadavg()[0]  # other work on the machine, for the record
     alpha, beta, ping = pingpong(args.quick)
     gamma = measure_gamma()
     print(f"ping-pong, 2 ranks: alpha = {alpha * 1e6:.2f} us, beta = {beta * 1e9:.4f} ns/byte "
@@ -224,7 +226,7 @@ def main(argv=None):
         rows.append(dict(environment(ranks=2), bench="net", kind="pingpong", algo="send-recv",
                          bytes=row["bytes"], seconds=row["seconds"],
                          predicted_seconds=alpha + row["bytes"] * beta,
-                         alpha=alpha, beta=beta, gamma=gamma))
+                         alpha=alpha, beta=beta, gamma=gamma, loadavg_1min=round(load, 2)))
     measured = []
     for p in (2, 4):
         measured += run_ranks(p, "mpipar.bench.net",
@@ -238,7 +240,7 @@ def main(argv=None):
                 pred = predict(algo, p, n, alpha, beta, gamma)
                 rows.append(dict(environment(ranks=p), bench="net", kind="allreduce", algo=algo,
                                  bytes=n, seconds=m["seconds"], predicted_seconds=pred,
-                                 alpha=alpha, beta=beta, gamma=gamma))
+                                 alpha=alpha, beta=beta, gamma=gamma, loadavg_1min=round(load, 2)))
                 line += f"{m['seconds'] * 1e6:12.1f} {pred * 1e6:8.1f} "
             print(line + ("  (oversubscribed)" if p > cores() else ""))
     path = write_csv("net.csv", rows)
