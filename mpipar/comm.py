@@ -139,11 +139,21 @@ class Request:
         self.op, self.detail, self.nbytes, self.finish = op, detail, nbytes, finish
         self.t0 = MPI.Wtime()
         self.status = MPI.Status()
-        self.done = False
+        self.complete = False  # MPI has finished the transfer
+        self.done = False  # and wait() has checked, copied back and recorded it
+
+    def test(self):
+        """Let MPI advance the request (MPICH progresses only inside MPI calls); True once
+        it has completed. ``wait()`` must still be called to finish and record it."""
+        if not self.complete:
+            self.complete = self.mpi_request.Test(self.status)
+        return self.complete
 
     def wait(self):
         if not self.done:
-            wait(self.mpi_request, self.status)
+            if not self.complete:
+                wait(self.mpi_request, self.status)
+                self.complete = True
             if self.finish is not None:
                 self.finish(self.status)
             self.comm._record(self.op, self.detail, self.nbytes, self.t0)

@@ -160,8 +160,8 @@ def _progress(requests):
     inside MPI calls (no progress thread), so without this an Iallreduce posted during
     backward would mostly run in the final wait."""
     for req in requests:
-        if req is not None and not req.done:
-            req.mpi_request.Test()
+        if req is not None:
+            req.test()
 
 
 class GradSync:

@@ -8,7 +8,7 @@ from conftest import MPI_SCRIPTS
 
 def test_comm_checks_on_4_ranks(mpirun):
     out = mpirun(4, [MPI_SCRIPTS / "comm_checks.py"], timeout=60)
-    assert "comm checks passed" in out.stdout
+    assert "comm checks passed" in out.stdout and "non-blocking checks passed" in out.stdout
 
 
 def test_comm_checks_with_synchronous_sends(mpirun):

@@ -83,3 +83,18 @@ elif r == 1:
 w.Barrier()
 if r == 0:
     print("comm checks passed", flush=True)
+
+# A receive polled with test() to completion keeps its status: the size check still works
+w.Barrier()
+if r == 0:
+    w.Send(np.arange(6.0), 1, tag=5)
+elif r == 1:
+    got = np.empty(6)
+    req = w.Irecv(got, 0, tag=5)
+    while not req.test():
+        pass
+    req.wait()
+    assert np.array_equal(got, np.arange(6.0)), got
+w.Barrier()
+if r == 0:
+    print("non-blocking checks passed", flush=True)
