@@ -305,7 +305,7 @@ class ColumnParallelLinear(nn.Linear):
     The input goes through ``f`` (identity forward, Allreduce of dx backward). The output
     stays split (..., d_out/t), ready for an elementwise op and a row-parallel layer, unless
     ``gather_output`` Allgathers it (forward) and splits its gradient (backward).
-    ``ranges`` chooses each rank's columns (default: contiguous equal blocks)."""
+    ``ranges`` chooses each rank's columns (default: contiguous, nearly equal blocks)."""
 
     def __init__(self, d_in, d_out, tp_comm, bias=True, std=None, input_grad=True,
                  gather_output=False, ranges=None):

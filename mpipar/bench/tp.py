@@ -11,8 +11,9 @@ the local shards. On P = 2 each rank does half of every matrix product and atten
 of the heads, and the step makes 4 Allreduces of b*s*h floats (2 forward, 2 backward); on
 P = 1 the same code makes no call.
 
-Per shape and hidden size, after warm-up: barrier, a batch of steps, the slowest rank's time
-per step; the median over repeats. From the timeline (mpipar.trace) per step:
+Per shape, hidden size and P, after warm-up: barrier, a batch of steps, the slowest rank's
+time per step; the median over rounds (each round times every configuration once). From the
+timeline (mpipar.trace) per step:
 
 - comm: the time inside Allreduce (mean over ranks); divided by the step time it is the
   communication share. It includes waiting for the other rank.
@@ -34,11 +35,12 @@ rounds, on a machine that other work may share: ratios, not absolute times, are 
 """
 
 import argparse
+import os
 import statistics
 
 import numpy as np
 
-from mpipar.bench.common import PLOTS, cores, environment, run_ranks, write_csv
+from mpipar.bench.common import PLOTS, cores, environment, read_csv, run_ranks, write_csv
 
 HIDDEN = [32, 64, 96, 128, 192, 256, 384, 512, 768, 1024]
 QUICK_HIDDEN = [32, 64, 128, 256, 512]
@@ -62,8 +64,9 @@ def block_flops(h, b, s):
 # ----------------------------------------------------------------------------- worker (mpirun)
 def worker(hidden, repeats, budget):
     """On 2 ranks: per shape and hidden size, P = 1 (rank 0 alone, on a communicator of
-    itself, while rank 1 sleeps in a barrier) and P = 2, timed in interleaved rounds so that
-    load from other work on the machine hits both alike."""
+    itself, while rank 1 sleeps in a barrier) and P = 2. Every configuration is timed once per
+    round and the rounds repeat, so a burst of other work on the machine spoils one sample of
+    many configurations rather than every sample of one."""
     from mpi4py import MPI
 
     from mpipar import backend as B
@@ -79,52 +82,54 @@ def worker(hidden, repeats, budget):
     tp_comm = Grid(tp=C.world().size).tp_comm
     alone = C.Comm(MPI.COMM_SELF, "self")
     rng = np.random.default_rng(0)
-    for (b, s), h in ((shape, h) for shape in SHAPES for h in hidden):
+
+    def make_step(h, b, s, comm):
+        block = tp.ParallelBlock(h, heads_for(h), comm).init(0, "blocks.0.")
+        opt = optim.SGD(block.parameters(), lr=1e-4)
         x = rng.standard_normal((b, s, h)).astype(np.float32)  # (B, T, C)
         dout = (1e-3 * rng.standard_normal((b, s, h))).astype(np.float32)
-        steps = {}
-        for p, comm in ((1, alone), (2, tp_comm)):
-            if p == 1 and tp_comm.rank != 0:
-                continue
-            block = tp.ParallelBlock(h, heads_for(h), comm).init(0, "blocks.0.")
-            opt = optim.SGD(block.parameters(), lr=1e-4)
 
-            def step(block=block, opt=opt, x=x, dout=dout):
-                opt.zero_grad()
-                block.forward(x)
-                block.backward(dout)
-                opt.step()
+        def step():
+            opt.zero_grad()
+            block.forward(x)
+            block.backward(dout)
+            opt.step()
 
-            steps[p] = step
-        iters = {}
-        for p in (1, 2):  # warm-up, and a first estimate of the step time
+        return step
+
+    configs = [(b, s, h, p) for b, s in SHAPES for h in hidden for p in (1, 2)]
+    steps, iters = {}, {}
+    for b, s, h, p in configs:
+        if p == 2 or tp_comm.rank == 0:  # P = 1 runs on rank 0 only
+            steps[b, s, h, p] = make_step(h, b, s, alone if p == 1 else tp_comm)
+        t0 = MPI.Wtime()
+        for _ in range(2 if (b, s, h, p) in steps else 0):  # warm-up and a first estimate
+            steps[b, s, h, p]()
+        estimate = max(tp_comm.allgather_obj((MPI.Wtime() - t0) / 2))
+        iters[b, s, h, p] = max(1, int(budget / estimate))  # the same count on every rank
+    samples = {c: [] for c in configs}
+    for _ in range(repeats):
+        for c in configs:
+            n, p = iters[c], c[3]
+            tp_comm.Barrier()
+            TRACE.clear()
             t0 = MPI.Wtime()
-            for _ in range(2 if p in steps else 0):
-                steps[p]()
-            estimate = max(tp_comm.allgather_obj((MPI.Wtime() - t0) / 2))
-            iters[p] = max(1, int(budget / estimate))
-        samples = {1: [], 2: []}
-        for _ in range(repeats):
-            for p in (1, 2):
+            for _ in range(n if c in steps else 0):
+                steps[c]()
+            t = (MPI.Wtime() - t0) / n
+            comm = sum(e[1] - e[0] for e in TRACE.events if e[3] == "Allreduce") / n
+            if p == 1:  # rank 1 waits for rank 0 without taking a core from other work
+                C.WAIT, wait = "sleep", C.WAIT
                 tp_comm.Barrier()
-                TRACE.clear()
-                t0 = MPI.Wtime()
-                for _ in range(iters[p] if p in steps else 0):
-                    steps[p]()
-                t = (MPI.Wtime() - t0) / iters[p]
-                comm = sum(e[1] - e[0] for e in TRACE.events if e[3] == "Allreduce") / iters[p]
-                if p == 1:  # rank 1 waits for rank 0 without taking a core from other work
-                    C.WAIT, wait = "sleep", C.WAIT
-                    tp_comm.Barrier()
-                    C.WAIT = wait
-                both = tp_comm.allgather_obj((t, comm))[:p]
-                samples[p].append((max(s for s, _ in both), [c for _, c in both]))
-        if tp_comm.rank == 0:
-            for p in (1, 2):
-                emit({"batch": b, "seq": s, "hidden": h, "ranks": p, "iters": iters[p],
-                      "step_s": statistics.median(t for t, _ in samples[p]),
-                      "comm_s": statistics.median(float(np.mean(c)) for _, c in samples[p]),
-                      "comm_min_s": statistics.median(min(c) for _, c in samples[p])})
+                C.WAIT = wait
+            both = tp_comm.allgather_obj((t, comm))[:p]
+            samples[c].append((max(v for v, _ in both), [v for _, v in both]))
+    if tp_comm.rank == 0:
+        for (b, s, h, p), got in samples.items():
+            emit({"batch": b, "seq": s, "hidden": h, "ranks": p, "iters": iters[b, s, h, p],
+                  "step_s": statistics.median(t for t, _ in got),
+                  "comm_s": statistics.median(float(np.mean(c)) for _, c in got),
+                  "comm_min_s": statistics.median(min(c) for _, c in got)})
 
 
 # ----------------------------------------------------------------------------- model
@@ -177,11 +182,25 @@ def measured_crossover(hidden, speedup):
 
 
 # ----------------------------------------------------------------------------- driver
-def plot(rows, crossings, path):
+def _number(v):
+    """A CSV cell as a number where it is one (rows read back from plots/tp.csv)."""
+    if not isinstance(v, str):
+        return v
+    try:
+        return float(v) if any(c in v for c in ".e") else int(v)
+    except ValueError:
+        return v
+
+
+def plot(rows, path):
+    """Draw the two panels from the CSV's rows (their crossover and load columns too)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    rows = [{k: _number(v) for k, v in r.items()} for r in rows]
+    load = rows[0]["load_before"], rows[0]["load_after"]
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.6))
     colors = ["#4C72B0", "#C44E52", "#55A868"]
@@ -197,16 +216,24 @@ def plot(rows, crossings, path):
                      label=f"{label}: measured t1 / t2")
         ax2.semilogx(h, [r["predicted_speedup"] for r in two], "--", color=color, alpha=0.6,
                      label=f"{label}: model")
-        measured, predicted = crossings[(b, s)]
+        measured, predicted = two[0]["measured_crossover_hidden"], \
+            two[0]["predicted_crossover_hidden"]
         for value, style, what in ((measured, ":", "measured"), (predicted, "-.", "model")):
-            if value:
-                ax2.axvline(value, color=color, linestyle=style, linewidth=1,
-                            label=f"{label}: pays off from h = {value} ({what})")
+            if value in (None, ""):
+                continue
+            text = f"{label}: pays off from h = {value:.0f} ({what})"
+            if what == "measured" and two[0]["speedup"] >= 1.0:
+                text = f"{label}: pays off at every h measured ({what})"
+            if value >= min(h):
+                ax2.axvline(value, color=color, linestyle=style, linewidth=1, label=text)
+            else:  # off the measured range: in the legend only
+                ax2.plot([], [], color=color, linestyle=style, linewidth=1, label=text)
     ax1.set_ylabel("share of the step in Allreduce (%)")
     ax1.set_title("P = 2: 4 Allreduces of b*s*h floats per block step")
     ax2.axhline(1.0, color="black", linewidth=0.8)
     ax2.set_ylabel("speedup of P = 2 over P = 1")
-    ax2.set_title(f"one transformer block, float32, 1 thread per rank, {cores()} cores")
+    ax2.set_title(f"one transformer block, float32, 1 thread per rank, {cores()} cores "
+                  f"(load {load[0]:.1f} -> {load[1]:.1f})", fontsize=10)
     for ax in (ax1, ax2):
         ax.set_xlabel("hidden size h")
         ax.grid(True, which="major", alpha=0.3)
@@ -221,26 +248,36 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m mpipar.bench tp")
     ap.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--plot-only", action="store_true",
+                    help="redraw plots/tp_comm_share.png from plots/tp.csv, measure nothing")
     ap.add_argument("--hidden", default=",".join(map(str, HIDDEN)))
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--budget", type=float, default=0.15, help="seconds of steps per repeat")
+    ap.add_argument("--repeats", type=int, default=11)
+    ap.add_argument("--budget", type=float, default=0.06,
+                    help="seconds of steps per configuration and round")
     args = ap.parse_args(argv)
     hidden = QUICK_HIDDEN if args.quick else [int(v) for v in args.hidden.split(",")]
     repeats = 3 if args.quick else args.repeats
     if args.worker:
         worker(hidden, repeats, args.budget)
         return
+    if args.plot_only:
+        print(f"-> {plot(read_csv('tp.csv'), PLOTS / 'tp_comm_share.png')}")
+        return
 
     from mpipar.bench.net import measure_alpha_beta, measure_gamma
 
-    alpha, beta = measure_alpha_beta(quick=True)
+    alpha, beta = measure_alpha_beta(quick=args.quick)
     gamma = measure_gamma()
     print(f"ping-pong: alpha {alpha * 1e6:.2f} us, beta {beta * 1e9:.4f} ns/B "
           f"({1 / beta / 1e9:.2f} GB/s), gamma {gamma * 1e9:.4f} ns/B")
     flags = ["--worker", "--hidden", ",".join(map(str, hidden)), "--repeats", repeats,
              "--budget", args.budget]
+    load_before = os.getloadavg()[0]
     results = run_ranks(2, "mpipar.bench.tp", flags)
-    rows, crossings = [], {}
+    load_after = os.getloadavg()[0]  # other work on the machine skews P = 2 the most
+    print(f"load average (1 min) before {load_before:.2f}, after {load_after:.2f}, "
+          f"on {cores()} cores")
+    rows = []
     for b, s in SHAPES:
         measured = {p: {r["hidden"]: r for r in results
                         if r["ranks"] == p and (r["batch"], r["seq"]) == (b, s)} for p in (1, 2)}
@@ -250,7 +287,6 @@ def main(argv=None):
         speedup = [measured[1][h]["step_s"] / measured[2][h]["step_s"] for h in hidden]
         cross_m = measured_crossover(hidden, speedup)
         cross_p = predicted_crossover(fit, b, s, alpha, beta, gamma)
-        crossings[(b, s)] = cross_m, cross_p
         print(f"\nbatch {b} x sequence {s}; P = 1 fit: t1 = {c0 * 1e3:.3f} ms + "
               f"{fit[1] * 1e6:.3f} us h + {fit[2] * 1e9:.3f} ns h^2")
         print(f"{'h':>6} {'t1 ms':>9} {'t2 ms':>9} {'speedup':>8} {'model':>7} {'comm %':>7} "
@@ -274,7 +310,8 @@ def main(argv=None):
                     predicted_speedup=t1_fit / pred[p], allreduce_bytes=allreduce_bytes(h, b, s),
                     alpha=alpha, beta=beta, gamma=gamma, fit_c0_ms=c0 * 1e3,
                     fit_c1_us=fit[1] * 1e6, fit_c2_ns=fit[2] * 1e9,
-                    gflops=F / m["step_s"] / 1e9,
+                    gflops=F / m["step_s"] / 1e9, load_before=load_before,
+                    load_after=load_after,
                     measured_crossover_hidden=cross_m, predicted_crossover_hidden=cross_p))
             one, two = rows[-2], rows[-1]
             print(f"{h:6d} {one['step_ms']:9.3f} {two['step_ms']:9.3f} {two['speedup']:8.2f} "
@@ -283,7 +320,7 @@ def main(argv=None):
                   f"{two['predicted_comm_ms']:9.3f}")
         print(f"P = 2 pays off from h = {cross_m} (measured) / h = {cross_p} (alpha-beta model)")
     path = write_csv("tp.csv", rows)
-    png = plot(rows, crossings, PLOTS / "tp_comm_share.png")
+    png = plot(rows, PLOTS / "tp_comm_share.png")
     print(f"-> {path}, {png}")
 
 
