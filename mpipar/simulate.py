@@ -7,7 +7,9 @@ From three measured numbers (or published ones for other hardware): the FLOP rat
 device, and alpha (seconds per message) and beta (seconds per byte) of its links, it predicts
 
 - compute: each layer's forward FLOPs from :meth:`mpipar.nn.Sequential.layer_flops` (backward
-  counted as twice the forward), divided over the tensor-parallel ranks;
+  counted as twice the forward), divided over the tensor-parallel ranks, plus a fixed time
+  per layer and micro-batch that does not divide (``Hardware.layer_overhead``), and the
+  optimizer update, which grows with a stage's parameters (``Hardware.update_per_param``);
 - tensor-parallel communication: per transformer block and micro-batch, 2 allreduces forward and
   2 backward of b*s*h elements (Megatron-LM), each a ring: 2(t-1) alpha + 2(t-1)/t n beta;
 - pipeline: the stages cut by :func:`mpipar.pipeline.partition`, then the *actual* schedule
@@ -19,7 +21,7 @@ device, and alpha (seconds per message) and beta (seconds per byte) of its links
   divided by d with ZeRO-1) and the activations of the most micro-batches a stage stashes.
 
 What it leaves out: overlap of communication with compute, the optimizer's time, kernel
-efficiency that changes with matrix size (one FLOP rate for all), and contention of the links.
+efficiency beyond "a FLOP rate plus a fixed cost per layer", and contention of the links.
 """
 
 import argparse
@@ -47,6 +49,12 @@ class Hardware:
     net_beta: float
     memory: float = float("inf")  # bytes per device
     source: str = ""
+    # a fixed time per layer and micro-batch forward (twice that backward) that no split
+    # divides: Python dispatch, and the lower efficiency of small matrix products
+    layer_overhead: float = 0.0
+    # seconds per parameter of a stage for the step's zero_grad and optimizer update (memory
+    # bound: it grows with the parameters, not with the batch)
+    update_per_param: float = 0.0
 
 
 # Published peak figures, derated to 50% sustained for the FLOP rate (a typical
@@ -64,10 +72,12 @@ PRESETS = {
 }
 
 
-def this_machine(flops, alpha, beta, memory=24 * 2**30):
+def this_machine(flops, alpha, beta, memory=24 * 2**30, layer_overhead=0.0,
+                 update_per_param=0.0):
     """The build machine: every link is shared memory, so one alpha and beta serve all."""
     return Hardware("this machine (measured)", flops, alpha, beta, alpha, beta, memory,
-                    "FLOP rate and alpha/beta measured in the same run")
+                    "FLOP rate and alpha/beta measured in the same run", layer_overhead,
+                    update_per_param)
 
 
 # ----------------------------------------------------------------------------- the models
@@ -175,8 +185,9 @@ def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f
         flops = sum(r["flops"] for r in layers) * scale / tp
         blocks = sum(r["block"] for r in layers)
         # 2 allreduces per block forward and 2 backward (Megatron-LM, Sec. 3)
-        fwd.append(flops / rate + 2 * blocks * allreduce)
-        bwd.append(backward_factor * flops / rate + 2 * blocks * allreduce)
+        fixed = c * hw.layer_overhead
+        fwd.append(fixed + flops / rate + 2 * blocks * allreduce)
+        bwd.append(2 * fixed + backward_factor * flops / rate + 2 * blocks * allreduce)
         stage_params.append(sum(r["params"] for r in layers) / tp)
         stage_blocks.append(blocks)
         stage_stash.append(sum(r["stash"] for r in layers) * scale)
@@ -190,19 +201,23 @@ def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f
 
     grad_bytes = max(stage_params) * dtype_bytes
     dp_time = ring_allreduce_time(grad_bytes, dp, hw.net_alpha, hw.net_beta)
-    total = pipeline_time + dp_time
+    update = max(stage_params) * hw.update_per_param / compute_share
+    total = pipeline_time + dp_time + update
 
-    compute = n_micro * (fwd[busiest] + bwd[busiest] - 4 * stage_blocks[busiest] * allreduce)
+    compute = update + n_micro * (fwd[busiest] + bwd[busiest]
+                                  - 4 * stage_blocks[busiest] * allreduce)
     tp_comm = n_micro * 4 * stage_blocks[busiest] * allreduce
     pp_comm = 2 * n_micro * message if pp > 1 else 0.0
-    bubble = max(0.0, pipeline_time - compute - tp_comm - pp_comm)
+    bubble = max(0.0, pipeline_time + update - compute - tp_comm - pp_comm)
 
     peak = [schedules.peak_in_flight(ins) for ins in lists]
     params = max(stage_params)
     memory = dict(
         params=params * dtype_bytes,
         grads=params * dtype_bytes,
-        optimizer=params * 2 * 4 / (dp if zero else 1),  # Adam m and v in float32
+        # Adam's m and v in float32, plus a float32 master copy of 16-bit weights: 12 bytes
+        # per parameter in mixed precision (16 with the 16-bit weights and gradients, ZeRO)
+        optimizer=params * (8 + (4 if dtype_bytes < 4 else 0)) / (dp if zero else 1),
         activations=max(p * b for p, b in zip(peak, stage_stash)),
     )
     memory["total"] = sum(memory.values())
@@ -242,9 +257,11 @@ def extrapolate(hw_name="a100", global_batch=1536, devices=(8, 16, 32, 64, 128, 
     rows = []
     for n in devices:
         for dp, tp, pp in gpt3_layouts(n):
-            n_micro = max(1, min(global_batch // dp, 4 * pp if pp > 1 else 1))
-            if global_batch % (dp * n_micro):
+            if global_batch % dp:
                 continue
+            n_micro = global_batch // dp  # micro-batches of one sequence, as Megatron-LM ran
+            if pp == 1:
+                n_micro = 1  # without a pipeline, one pass over the replica's rows
             r = predict(GPT3, hw, dp, tp, pp, global_batch, n_micro, "1f1b", dtype_bytes=2,
                         zero=1, recompute=True)
             r["efficiency"] = r["model_flops_per_s"] / (n * hw.flops / 0.5)  # of peak

@@ -70,3 +70,14 @@ def test_cli_prints_a_prediction(capsys):
     S.main(["--tp", "2", "--pp", "2", "--micro-batches", "4"])
     out = capsys.readouterr().out
     assert "predicted step" in out and "bubble" in out and "memory per rank" in out
+
+
+def test_mixed_precision_adam_holds_16_bytes_per_parameter():
+    """ZeRO (Rajbhandari et al. 2020): 2 + 2 + 12 bytes per parameter; stage 1 divides the 12."""
+    spec = S.GPTSpec(50, 64, 4, 2, 32)
+    n = sum(r["params"] for r in S.layer_table(spec, 1))
+    plain = S.predict(spec, HW, dp=4, global_batch=16, dtype_bytes=2)
+    state = sum(plain[f"mem_{k}_bytes"] for k in ("params", "grads", "optimizer"))
+    assert state == pytest.approx(16 * n)
+    zero = S.predict(spec, HW, dp=4, global_batch=16, dtype_bytes=2, zero=1)
+    assert zero["mem_optimizer_bytes"] == pytest.approx(12 * n / 4)
