@@ -141,18 +141,21 @@ def make_buckets(params, bucket_bytes=None):
 
 
 class Bucket:
-    """Some parameters' gradients and the contiguous buffer they travel in."""
+    """Some parameters' gradients and the contiguous buffer they travel in.
+
+    Each ``p.grad`` becomes a view into the bucket's flat buffer (PyTorch DDP's
+    ``gradient_as_bucket_view``): backward accumulates straight into the buffer that is
+    allreduced, and the sums land where the optimizer reads them, with no copy either way."""
 
     def __init__(self, params):
         self.params = params
         self.flat = B.xp.empty(sum(p.size for p in params), dtype=params[0].data.dtype)
+        flatten([p.grad for p in params], self.flat)  # keep what the gradients hold now
+        i = 0
+        for p in params:
+            p.grad = self.flat[i:i + p.size].reshape(p.grad.shape)  # a contiguous view
+            i += p.size
         self.request = None
-
-    def pack(self):
-        flatten([p.grad for p in self.params], self.flat)
-
-    def unpack(self):
-        unflatten(self.flat, [p.grad for p in self.params])
 
 
 def _progress(requests):
@@ -171,7 +174,8 @@ class GradSync:
     ``bucket_mb`` None: one bucket; ``overlap``: call :meth:`start` before the backward that
     completes the gradients and :meth:`grads_ready` as it finishes each layer's parameters;
     buckets are then launched (Iallreduce) as they fill, in bucket order on every rank.
-    :meth:`finish` launches what is left, waits, and copies the sums back into ``p.grad``.
+    :meth:`finish` launches what is left and waits: the sums are then in ``p.grad`` (a view
+    into its bucket).
     """
 
     def __init__(self, dp_comm, params, algo="allreduce", bucket_mb=None, overlap=False):
@@ -204,7 +208,6 @@ class GradSync:
         b = self.buckets[self.n_launched]
         self.n_launched += 1
         self.launched_after.append(self.n_ready)
-        b.pack()
         if self.algo == "allreduce":
             b.request = self.comm.Iallreduce(b.flat)
         else:
@@ -217,7 +220,6 @@ class GradSync:
             if b.request is not None:
                 b.request.wait()
                 b.request = None
-            b.unpack()
         self.launch_log = self.launched_after  # kept for the tests
         self.start()  # ready for the next step
 
