@@ -423,10 +423,7 @@ def parse_args(argv, dp_size):
     g.add_argument("--explain", action="store_true",
                    help="narrate the first step: each seed step and each MPI call, every rank")
     args = ap.parse_args(argv)
-    try:
-        serial.finish_args(args)
-    except SystemExit as err:  # finish_args exits with "error: ..." on every rank
-        comm.refuse(str(err.code).replace("error: ", "", 1))
+    serial.finish_args(args)
     if args.micro_batches < 1:
         comm.refuse(f"--micro-batches must be at least 1, got {args.micro_batches}")
     if args.batch_size < dp_size * args.micro_batches:

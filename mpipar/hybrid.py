@@ -278,10 +278,7 @@ def parse_args(argv, world_size):
     g.add_argument("--explain", action="store_true",
                    help="narrate each step and every MPI call of the first step, every rank")
     args = ap.parse_args(argv)
-    try:
-        serial.finish_args(args)
-    except SystemExit as err:  # finish_args exits with "error: ..." on every rank
-        comm.refuse(str(err.code).replace("error: ", "", 1))
+    serial.finish_args(args)
     for flag in ("tp", "pp", "dp"):
         value = getattr(args, flag)
         if value is not None and value < 1:

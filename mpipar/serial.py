@@ -17,6 +17,7 @@ import numpy as np
 
 from mpipar import backend as B
 from mpipar import data, nn, optim
+from mpipar.comm import refuse
 
 DEFAULTS = {  # per model: what trains well within a minute on 2 cores
     "mlp": dict(steps=300, batch_size=64, lr=0.05, optim="sgd"),
@@ -53,21 +54,22 @@ def add_common_args(ap):
 
 
 def finish_args(args):
-    """Fill per-model defaults, select backend and dtype, and refuse bad values clearly."""
+    """Fill per-model defaults, select backend and dtype, and refuse bad values clearly (one
+    message, exit code 2, on every rank of an MPI job: see :func:`mpipar.comm.refuse`)."""
     for key, value in DEFAULTS[args.model].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     for key in ("steps", "batch_size"):
         if getattr(args, key) <= 0:
-            raise SystemExit(f"error: --{key.replace('_', '-')} must be positive, "
+            refuse(f"--{key.replace('_', '-')} must be positive, "
                              f"got {getattr(args, key)}")
     if args.lr <= 0:
-        raise SystemExit(f"error: --lr must be positive, got {args.lr}")
+        refuse(f"--lr must be positive, got {args.lr}")
     if args.model == "mlp" and (args.sizes[0] != 64 or args.sizes[-1] != 10):
-        raise SystemExit(f"error: --sizes must start with 64 (pixels) and end with 10 (classes), "
+        refuse(f"--sizes must start with 64 (pixels) and end with 10 (classes), "
                          f"got {args.sizes}")
     if args.model == "gpt" and args.d_model % args.n_heads:
-        raise SystemExit(f"error: --d-model {args.d_model} is not divisible by "
+        refuse(f"--d-model {args.d_model} is not divisible by "
                          f"--n-heads {args.n_heads}")
     B.use(args.backend, args.dtype)
     return args
