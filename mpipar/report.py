@@ -18,18 +18,17 @@ import time
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
-from mpipar.bench.common import PLOTS, cores, environment, read_csv, write_csv  # noqa: E402
+from mpipar.bench.common import (  # noqa: E402 (after the thread settings above)
+    PLOTS,
+    cores,
+    environment,
+    pyplot,
+    read_csv,
+    save_figure,
+    write_csv,
+)
 
 BENCHES = ["engine", "flops", "net", "dp", "tp", "pp", "hybrid"]
-
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def _f(row, key):
@@ -81,7 +80,7 @@ def scaling_rows():
 
 
 def plot_scaling(rows, path):
-    plt = _plt()
+    plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.4))
     schemes = list(dict.fromkeys(r["scheme"] for r in rows))
     top = max(r["ranks"] for r in rows)
@@ -109,9 +108,7 @@ def plot_scaling(rows, path):
     ax1.legend(fontsize=8)
     fig.suptitle("Speedup of each scheme on this machine "
                  "(beyond the core count, ranks share cores)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # ----------------------------------------------------------------------------- cost model check
@@ -266,7 +263,7 @@ def validation_rows():
 
 
 def plot_validation(rows, path):
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 5.6))
     colors = {"dp": "#4C72B0", "pp": "#DD8452", "tp": "#55A868", "hybrid": "#C44E52"}
     for bench, color in colors.items():
@@ -293,9 +290,7 @@ def plot_validation(rows, path):
                  "(hollow: more ranks than cores)", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, which="both")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # ----------------------------------------------------------------------------- extrapolation
@@ -318,7 +313,7 @@ def extrapolation_rows(hardware=("a100", "h100")):
 
 
 def plot_extrapolation(rows, path):
-    plt = _plt()
+    plt = pyplot()
     hardware = list(dict.fromkeys(r["hardware"] for r in rows))
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
     styles = {"a100": "-", "h100": "--"}
@@ -346,9 +341,7 @@ def plot_extrapolation(rows, path):
     axes[0].legend(fontsize=7)
     fig.suptitle("Cost model (prediction): GPT-3 175B, global batch 1536, 1F1B with activation "
                  "recomputation, ZeRO-1; layouts that fit in 80 GB only")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # ----------------------------------------------------------------------------- memory
@@ -359,7 +352,7 @@ def plot_memory(path):
              if k in rows[0]]
     if not parts:
         return None
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))
     labels = [f"DP{r['dp']} TP{r['tp']} PP{r['pp']}" for r in rows]
     bottom = [0.0] * len(rows)
@@ -370,9 +363,7 @@ def plot_memory(path):
     ax.set_ylabel("MiB per rank (the largest rank)")
     ax.set_title("Memory per rank for each layout of 4 ranks, same GPT")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 

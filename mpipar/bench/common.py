@@ -92,3 +92,21 @@ def run_ranks(n, module, args=(), timeout=600):
 def emit(obj):
     """Print one result line for :func:`run_ranks` to collect."""
     print("RESULT " + json.dumps(obj), flush=True)
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend: pictures go to files, no display is needed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path):
+    """Lay out, write as PNG and close a figure; return its path."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+    return path

@@ -41,7 +41,7 @@ import argparse
 import os
 import statistics
 
-from mpipar.bench.common import PLOTS, cores, environment, run_ranks, write_csv
+from mpipar.bench.common import PLOTS, cores, environment, pyplot, run_ranks, save_figure, write_csv
 
 SIZES = "64,1024,1024,1024,10"
 BATCH = 1024
@@ -111,10 +111,7 @@ def worker(rounds, warmup):
 
 # ----------------------------------------------------------------------------- driver
 def plot(rows, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
     n_cores = cores()
@@ -158,9 +155,7 @@ def plot(rows, path):
     axes[2].set_title("gradient communication, 2 ranks")
     axes[2].legend(fontsize=7, loc="upper right")
     fig.suptitle(f"data parallelism: MLP {SIZES}, batch {BATCH}, float32, 1 BLAS thread/rank")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 

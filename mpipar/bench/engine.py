@@ -16,7 +16,7 @@ import numpy as np
 
 from mpipar import backend as B
 from mpipar import nn, optim
-from mpipar.bench.common import PLOTS, environment, write_csv
+from mpipar.bench.common import PLOTS, environment, pyplot, save_figure, write_csv
 
 SIZES = [784, 128, 127, 126, 125, 124, 123, 10]
 
@@ -58,18 +58,13 @@ def seconds(fn):
 
 
 def plot(engine, bare, ratio):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 2.4))
     ax.barh(["bare NumPy", "mpipar.nn"], [bare * 1e3, engine * 1e3], color=["#999999", "#4C72B0"])
     ax.set_xlabel("ms per training step (median of many alternating calls)")
     ax.set_title(f"One MLP step, batch 128, float32, 1 thread: ratio {ratio:.2f}")
-    fig.tight_layout()
-    fig.savefig(PLOTS / "engine.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, PLOTS / "engine.png")
 
 
 def main(argv=None):

@@ -30,7 +30,16 @@ import argparse
 import json
 import statistics
 
-from mpipar.bench.common import PLOTS, cores, environment, median_time, run_ranks, write_csv
+from mpipar.bench.common import (
+    PLOTS,
+    cores,
+    environment,
+    median_time,
+    pyplot,
+    run_ranks,
+    save_figure,
+    write_csv,
+)
 
 MODEL = ["--model", "gpt", "--d-model", "128", "--n-heads", "4", "--n-layers", "4",
          "--seq-len", "64", "--batch-size", "32", "--dtype", "float32", "--quiet"]
@@ -113,10 +122,7 @@ def serial_step_time(repeats):
 
 # ----------------------------------------------------------------------------- driver
 def plot(rows, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
     labels = [r["layout"] for r in rows]
@@ -154,9 +160,7 @@ def plot(rows, path):
     fig.suptitle(f"every layout of {RANKS} ranks: GPT {rows[0]['params']:,} parameters, global "
                  f"batch {rows[0]['batch']}, {MICRO} micro-batches per replica, {SCHEDULE}, "
                  "float32, 1 BLAS thread/rank")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 

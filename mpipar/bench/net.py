@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from mpipar.bench.common import PLOTS, environment, run_ranks, write_csv
+from mpipar.bench.common import PLOTS, environment, pyplot, run_ranks, save_figure, write_csv
 
 PINGPONG_SIZES = [8 * 4**k for k in range(11)] + [16 * 2**20]  # 8 B .. 8 MiB, 16 MiB
 ALLREDUCE_SIZES = [8 * 8**k for k in range(8)]  # 8 B .. 16 MiB
@@ -166,10 +166,7 @@ def worker(kind, quick):
 
 # ----------------------------------------------------------------------------- driver
 def plot(ping, alpha, beta, gamma, rows, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     from mpipar.bench.common import cores
 
@@ -199,9 +196,7 @@ def plot(ping, alpha, beta, gamma, rows, path):
         ax.set_ylabel("time (us)")
         ax.grid(True, which="major", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 

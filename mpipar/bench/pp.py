@@ -26,7 +26,16 @@ batch.
 import argparse
 import statistics
 
-from mpipar.bench.common import PLOTS, cores, environment, median_time, run_ranks, write_csv
+from mpipar.bench.common import (
+    PLOTS,
+    cores,
+    environment,
+    median_time,
+    pyplot,
+    run_ranks,
+    save_figure,
+    write_csv,
+)
 
 WIDTH, ROWS, LAYERS = 1024, 64, 4  # per stage: LAYERS x (Linear(WIDTH, WIDTH), ReLU)
 NAIVE_MAX_M = 4  # naive's bubble is (p-1)/p for every m, and its steps are the longest
@@ -135,10 +144,7 @@ def serial_step_time(n_stages, m, repeats):
 
 
 def plot_bubble(rows, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     from mpipar.schedules import bubble_formula
 
@@ -167,17 +173,12 @@ def plot_bubble(rows, path):
     axes[0].set_ylabel("bubble (idle share of the step)")
     fig.suptitle(f"pipeline bubble, measured from traces: {LAYERS} x Linear({WIDTH},{WIDTH}) "
                  f"per stage, {ROWS} rows per micro-batch, float32")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 
 def plot_memory(rows, path, p, m):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(8, 4.2))
     names = [n for n in SCHEDULE_NAMES
@@ -197,17 +198,12 @@ def plot_memory(rows, path, p, m):
                  fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 
 def plot_timelines(results, p, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     from mpipar.schedules import bubble_formula
     from mpipar.trace import gantt
@@ -225,9 +221,7 @@ def plot_timelines(results, p, path):
         ax.set_xlim(0, max(spans) * 1e3 * 1.2)  # room on the right for the legend
     fig.suptitle(f"one step on {p} stages ({p} ranks on {cores()} cores), m = {TIMELINE_M} "
                  "micro-batches: real traces, the median step by duration")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 

@@ -40,7 +40,16 @@ import statistics
 
 import numpy as np
 
-from mpipar.bench.common import PLOTS, cores, environment, read_csv, run_ranks, write_csv
+from mpipar.bench.common import (
+    PLOTS,
+    cores,
+    environment,
+    pyplot,
+    read_csv,
+    run_ranks,
+    save_figure,
+    write_csv,
+)
 
 HIDDEN = [32, 64, 96, 128, 192, 256, 384, 512, 768, 1024]
 QUICK_HIDDEN = [32, 64, 128, 256, 512]
@@ -194,10 +203,7 @@ def _number(v):
 
 def plot(rows, path):
     """Draw the two panels from the CSV's rows (their crossover and load columns too)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = [{k: _number(v) for k, v in r.items()} for r in rows]
     load = rows[0]["load_before"], rows[0]["load_after"]
@@ -238,9 +244,7 @@ def plot(rows, path):
         ax.set_xlabel("hidden size h")
         ax.grid(True, which="major", alpha=0.3)
         ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 
