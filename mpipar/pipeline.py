@@ -431,8 +431,8 @@ def parse_args(argv=None):
     g.add_argument("--partition", metavar="N,N,...",
                    help="layers per stage by hand, e.g. 2,1,1 (default: balance the FLOPs)")
     g.add_argument("--timeline", default=DEFAULT_TIMELINE, metavar="FILE.png",
-                   help=f"Gantt chart of the last step's trace (default {DEFAULT_TIMELINE}; "
-                        "'none' for no chart)")
+                   help="Gantt chart of a real step's trace, the median step by duration "
+                        f"(default {DEFAULT_TIMELINE}; 'none' for no chart)")
     g.add_argument("--explain", action="store_true",
                    help="narrate every MPI call and step of the first training step")
     g.add_argument("--print-schedule", action="store_true",
