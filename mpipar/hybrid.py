@@ -248,7 +248,6 @@ def parse_args(argv, world_size):
     ap = argparse.ArgumentParser(
         prog="mpirun -n N python -m mpipar.hybrid",
         description="Train with data x tensor x pipeline parallelism on N = dp*tp*pp ranks.")
-    ap.error = lambda message: comm.refuse(f"{message} (see --help)")
     serial.add_common_args(ap)
     for action in ap._actions:
         if action.dest == "model":

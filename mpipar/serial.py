@@ -27,7 +27,9 @@ DEFAULTS = {  # per model: what trains well within a minute on 2 cores
 
 def add_common_args(ap):
     """The flags every trainer shares. Model-specific defaults are filled in by
-    :func:`finish_args`, so ``--help`` shows them per model."""
+    :func:`finish_args`, so ``--help`` shows them per model. A parse error is refused like any
+    bad input: one message from rank 0, exit code 2 on every rank (not a usage text per rank)."""
+    ap.error = lambda message: refuse(f"{message} (see --help)")
     g = ap.add_argument_group("training (shared by every scheme)")
     g.add_argument("--model", choices=["mlp", "gpt"], default="mlp",
                    help="mlp: MLP on 8x8 digits; gpt: character-level GPT on text (default mlp)")
