@@ -1,6 +1,7 @@
 """The serial trainer learns, and --save-params round-trips."""
 
 import numpy as np
+import pytest
 
 from mpipar import backend as B
 from mpipar import data, serial
@@ -50,3 +51,11 @@ def test_batches_depend_on_seed_and_step_only():
     t = data.Text(0)
     x, y = t.batch(0, 4, 16)
     np.testing.assert_array_equal(x[:, 1:], y[:, :-1])  # the target is the next character
+
+
+@pytest.mark.parametrize("module", ["data_parallel", "tensor_parallel", "pipeline", "hybrid"])
+def test_an_unknown_flag_is_one_message_and_exit_2_on_every_rank(mpirun, module):
+    proc = mpirun(2, ["-m", f"mpipar.{module}", "--no-such-flag"], timeout=60, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("error: unrecognized arguments: --no-such-flag") == 1, proc.stderr
+    assert "usage:" not in proc.stderr
