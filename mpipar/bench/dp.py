@@ -5,15 +5,15 @@ gradient communication beside its alpha-beta prediction.
 
 A compute-bound MLP (widths 64-1024-1024-1024-10, 2.2 M parameters, 8.7 MB of float32
 gradients) on the digits, global batch 1024 (about 105 ms per step on one rank), float32, one
-BLAS thread per rank. Every replica still zeroes its gradients, copies them into and out of the
-flat buffers and runs the whole optimizer update (about 4 ms here, whatever P), so by Amdahl's
-law P = 2 reaches 1.8x only when a step's compute C is above about 60 ms
+BLAS thread per rank. Every replica still zeroes its gradients and runs the whole optimizer
+update (about 4 ms here, whatever P), so by Amdahl's law P = 2 reaches 1.8x only when a
+step's compute C is above about 60 ms
 ((C + 4) / (C/2 + 4 + 2 ms exposed communication) >= 1.8; batch 512 gives 53 ms). Trained by
 :class:`mpipar.data_parallel.DataParallel` on P = 1, 2 and 4 ranks (4 ranks on 2 cores are
 oversubscribed and marked so) in five modes: master (the seed's Reduce + Bcast), allreduce,
 ring, allreduce with 2 MiB buckets and overlap, and ZeRO-1.
 
-Each launch builds all five trainers, warms each up, then times them in interleaved rounds
+Each launch builds all five trainers, warms them up and times them in interleaved rounds
 (so load from other work hits every mode alike): barrier, one step, the slowest rank's time;
 the median over rounds and over three launches per rank count, run as P = 1, 2, 4, 1, 2, 4, ...
 (the machine may be shared: each row records the load average when the run began). Per step
@@ -34,10 +34,21 @@ Overlap hides little here: on one machine MPI moves shared-memory messages with 
 that compute (no network card or copy engine does it in the background), and MPICH advances a
 non-blocking collective only inside MPI calls, i.e. between layers.
 
+Five trainers in one process share one C heap: glibc returns freed memory to the system
+(heap trimming, and large blocks mmapped and unmapped one by one), so with the modes
+interleaved each step allocated afresh what another mode's step had released: at P = 2 MPI's
+temporary buffers (half of each bucket for a two-rank Allreduce) and NumPy's temporaries came
+back as 500 to 1500 page faults per step (about 1.4 us each here, 0.7 to 2 ms per step) which
+a trainer running alone does not take after its first steps. The workers therefore keep freed
+memory in the process (:func:`steady_heap`, glibc's mallopt, the same for every P and mode)
+and warm up in the interleaved order they are timed in; every row records ``steady_heap``.
+
 Speedup of a mode on P ranks = its step time on 1 rank / its step time on P ranks.
 """
 
 import argparse
+import ctypes
+import ctypes.util
 import os
 import statistics
 
@@ -61,6 +72,21 @@ RANKS = (1, 2, 4)
 
 
 # ----------------------------------------------------------------------------- worker (mpirun)
+def steady_heap():
+    """Make glibc keep freed memory for reuse instead of giving it back to the system: every
+    block up to 32 MiB comes from the heap (M_MMAP_THRESHOLD) and the heap is never trimmed
+    (M_TRIM_THRESHOLD), so a step reuses the pages an earlier step faulted in. True if set."""
+    name = ctypes.util.find_library("c")
+    try:
+        mallopt = ctypes.CDLL(name).mallopt if name else None
+    except (OSError, AttributeError):  # not glibc: nothing to set
+        mallopt = None
+    if mallopt is None:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(mallopt(m_mmap_threshold, 32 * 2**20)) and bool(mallopt(m_trim_threshold, 2**30))
+
+
 def worker(rounds, warmup):
     from mpi4py import MPI
 
@@ -72,6 +98,7 @@ def worker(rounds, warmup):
     from mpipar.trace import TRACE
 
     C.install_excepthook()
+    heap = steady_heap()
     dp_comm = Grid(dp=C.world().size).dp_comm
     task, trainers = None, {}
     for mode, flags in MODES.items():
@@ -79,8 +106,8 @@ def worker(rounds, warmup):
         task = task or serial.Task(args)  # the data depends only on the shared model flags
         trainers[mode] = DP.DataParallel(args, task, dp_comm, task.build_model().init(0))
     step = 0
-    for dp in trainers.values():
-        for _ in range(warmup):
+    for _ in range(warmup):  # in the timed order, so that the heap reaches its steady size
+        for dp in trainers.values():
             dp.step(step)
             step += 1
     samples = {mode: [] for mode in MODES}
@@ -106,7 +133,7 @@ def worker(rounds, warmup):
                   "params": dp.n, "grad_bytes": dp.flat.nbytes,
                   "buckets": len(dp.sync.buckets) if dp.sync else 1,
                   "bucket_bytes": [b.flat.nbytes for b in dp.sync.buckets] if dp.sync else [],
-                  "optimizer_state_bytes": state[mode]})
+                  "optimizer_state_bytes": state[mode], "steady_heap": heap})
 
 
 # ----------------------------------------------------------------------------- driver
@@ -211,7 +238,8 @@ def main(argv=None):
                              grad_comm_ms=round(grad * 1e3, 3),
                              predicted_comm_ms=round(pred * 1e3, 3),
                              optimizer_state_bytes=res["optimizer_state_bytes"],
-                             samples=len(res["samples"]), alpha=alpha, beta=beta, gamma=gamma,
+                             samples=len(res["samples"]), steady_heap=res["steady_heap"],
+                             alpha=alpha, beta=beta, gamma=gamma,
                              loadavg_1min=round(load, 2)))
     path = write_csv("dp.csv", rows)
     png = plot(rows, PLOTS / "dp_speedup.png")
