@@ -406,7 +406,6 @@ def parse_args(argv, dp_size):
     and refuses bad input with one message (comm.refuse), so none is left waiting."""
     ap = argparse.ArgumentParser(prog="mpirun -n P python -m mpipar.data_parallel",
                                  description="Train with P data-parallel replicas.")
-    ap.error = lambda message: comm.refuse(f"{message} (see --help)")
     serial.add_common_args(ap)
     g = ap.add_argument_group("data parallelism")
     g.add_argument("--sync", default="master", choices=["master", "allreduce", "ring"],
