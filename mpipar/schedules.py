@@ -16,6 +16,10 @@ simulated on its own (the idea of shallowspeed's instruction lists).
   min(p-r-1, m) warm-up forwards, then alternates one forward and one backward, then cools
   down with the remaining backwards. Same bubble as GPipe, but stage r stashes at most
   min(p-r, m) micro-batches.
+- ``interleaved`` (Narayanan et al. 2021, Sec. 2.2.2): v model chunks per stage, the model cut
+  into p*v pieces and stage r holding pieces r, r+p, ...; its instructions name their chunk
+  (``F3.1``: forward of micro-batch 3 on chunk 1). Bubble (p-1)/(v*m+p-1), v times more
+  messages; m must be a multiple of p. Called as ``interleaved(p, r, m, v)``.
 
 :func:`simulate` plays all stages' lists against each other (a send is delivered at once, a
 receive waits for its send, forward costs 1 and backward 2 time units), checks every message
@@ -32,11 +36,14 @@ from typing import Optional
 @dataclass(frozen=True)
 class Instruction:
     micro: Optional[int] = None  # the micro-batch id (None for the optimizer step)
+    chunk: int = 0  # the model chunk the stage runs it on (interleaved 1F1B; else always 0)
     code = "?"  # short name for printing
     kind = "?"  # trace kind: forward, backward, send, recv, optimizer
 
     def __str__(self):
-        return self.code if self.micro is None else f"{self.code}{self.micro}"
+        if self.micro is None:
+            return self.code
+        return f"{self.code}{self.micro}" + (f".{self.chunk}" if self.chunk else "")
 
 
 class Forward(Instruction):
@@ -75,17 +82,20 @@ class OptimizerStep(Instruction):
 
 
 # ----------------------------------------------------------------------------- schedules
-def _forward(n_stages, stage, k):
-    """Receive the input (unless first), run forward, send the output (unless last)."""
-    return ([RecvAct(k)] if stage > 0 else []) + [Forward(k)] + \
-        ([SendAct(k)] if stage < n_stages - 1 else [])
+def _forward(n_stages, stage, k, chunk=0, n_chunks=1):
+    """Receive the input (unless the first stage's first chunk), run forward, send the output
+    (unless the last stage's last chunk)."""
+    first, last = stage == 0 and chunk == 0, stage == n_stages - 1 and chunk == n_chunks - 1
+    return ([] if first else [RecvAct(k, chunk)]) + [Forward(k, chunk)] + \
+        ([] if last else [SendAct(k, chunk)])
 
 
-def _backward(n_stages, stage, k):
-    """Receive the output's gradient (unless last), run backward, send the input's gradient
-    (unless first)."""
-    return ([RecvGrad(k)] if stage < n_stages - 1 else []) + [Backward(k)] + \
-        ([SendGrad(k)] if stage > 0 else [])
+def _backward(n_stages, stage, k, chunk=0, n_chunks=1):
+    """Receive the output's gradient (unless the last stage's last chunk), run backward, send
+    the input's gradient (unless the first stage's first chunk)."""
+    first, last = stage == 0 and chunk == 0, stage == n_stages - 1 and chunk == n_chunks - 1
+    return ([] if last else [RecvGrad(k, chunk)]) + [Backward(k, chunk)] + \
+        ([] if first else [SendGrad(k, chunk)])
 
 
 def _check(n_stages, stage, n_micro):
@@ -126,6 +136,45 @@ def one_f_one_b(n_stages, stage, n_micro):
         out += _forward(n_stages, stage, warmup + i) + _backward(n_stages, stage, i)
     for k in range(n_micro - warmup, n_micro):
         out += _backward(n_stages, stage, k)
+    return out + [OptimizerStep()]
+
+
+def interleaved(n_stages, stage, n_micro, n_chunks=2):
+    """Interleaved 1F1B: v = ``n_chunks`` model chunks per stage (Narayanan et al. 2021,
+    Sec. 2.2.2). The model is cut into p*v pieces; stage r holds pieces r, r+p, r+2p, ..., so
+    an activation goes from chunk c of stage p-1 to chunk c+1 of stage 0. Micro-batches go
+    through in groups of p: chunk 0 of the group, then chunk 1, ...; backwards in the reverse
+    chunk order. Stage r runs min((p-r-1) + (v-1)*p, v*m) warm-up chunk-forwards, then one
+    forward one backward, then cools down; with v = 1 this is 1F1B. Megatron-LM warms up
+    p-r-1 chunk-forwards more because it posts each step's sends and receives together; with
+    non-blocking sends and receives in list order these are not needed (the simulation reaches
+    the bubble without them). Bubble (p-1)/(v*m+p-1) with the costs of one chunk 1/v of the
+    stage's; stage r stashes at most min((p-r-1) + (v-1)*p + 1, v*m) chunk activations; m must be a
+    multiple of p.
+    """
+    _check(n_stages, stage, n_micro)
+    p, v = n_stages, n_chunks
+    if v < 1:
+        raise ValueError(f"the number of model chunks must be positive, got {v}")
+    if n_micro % p:
+        raise ValueError(f"interleaved 1F1B needs the micro-batches ({n_micro}) to be a "
+                         f"multiple of the stages ({p})")
+    total = n_micro * v
+
+    def unit(j, forward):
+        group, i = divmod(j, p * v)
+        chunk = i // p
+        return group * p + i % p, (chunk if forward else v - 1 - chunk)
+
+    warmup = min((p - stage - 1) + (v - 1) * p, total)
+    out = []
+    for j in range(warmup):
+        out += _forward(p, stage, *unit(j, True), v)
+    for j in range(total - warmup):
+        out += _forward(p, stage, *unit(warmup + j, True), v)
+        out += _backward(p, stage, *unit(j, False), v)
+    for j in range(total - warmup, total):
+        out += _backward(p, stage, *unit(j, False), v)
     return out + [OptimizerStep()]
 
 
@@ -171,63 +220,78 @@ def simulate(lists, forward_cost=1.0, backward_cost=2.0, message_cost=0.0):
 
     A send does not hold up its sender (MPI's non-blocking send); a receive waits until its
     message has arrived, ``message_cost`` after the send, and must get the micro-batch it names.
-    Forward and backward take the given times: one number for every stage, or one per stage
-    (the cost model, :mod:`mpipar.simulate`, passes each stage's own). Raises
+    Forward and backward take the given times: one number for every stage, one per stage (the
+    cost model, :mod:`mpipar.simulate`, passes each stage's own), or a function (stage, micro)
+    -> time. With model chunks (interleaved 1F1B, v = 1 + the largest chunk in the lists) the
+    activation of chunk c goes to chunk c of the next stage, and from the last stage to chunk
+    c+1 of stage 0; gradients go the reverse way; a cost is then that of one chunk. Raises
     :class:`ScheduleError` on a deadlock, a receive matched to another micro-batch, an
     instruction without its input, or a send nobody receives.
     """
     n = len(lists)
+    n_chunks = 1 + max((i.chunk for ins in lists for i in ins), default=0)
     forward_cost = _per_stage(forward_cost, n)
     backward_cost = _per_stage(backward_cost, n)
-    channels = {}  # (src, dst, what) -> deque of (micro, time sent)
+    channels = {}  # (src, dst, what, receiving chunk) -> deque of (micro, time sent)
     done = [[] for _ in range(n)]  # per stage: (ins, start, end)
     clock = [0.0] * n
     pos = [0] * n
     state = [dict(fwd=set(), bwd=set(), act=set(), grad=set()) for _ in range(n)]
 
-    def channel(src, dst, what):
-        return channels.setdefault((src, dst, what), deque())
+    def channel(src, dst, what, chunk):
+        return channels.setdefault((src, dst, what, chunk), deque())
+
+    def neighbour(s, c, step):
+        """The (stage, chunk) that holds the model piece ``step`` pieces after (s, c)."""
+        return divmod(c * n + s + step, n)[::-1]
 
     def step(s, ins):
         """Run ins on stage s if it can run now; return False if it must wait."""
-        st, k, t = state[s], ins.micro, clock[s]
+        st, k, c, t = state[s], ins.micro, ins.chunk, clock[s]
+        first, last = s == 0 and c == 0, s == n - 1 and c == n_chunks - 1
         cost = 0.0
         if isinstance(ins, (RecvAct, RecvGrad)):
-            src, what = (s - 1, "act") if isinstance(ins, RecvAct) else (s + 1, "grad")
-            if not 0 <= src < n:
-                raise ScheduleError(f"stage {s}: {ins} has no stage {src} to receive from")
-            queue = channel(src, s, what)
+            is_act = isinstance(ins, RecvAct)
+            (src, _), what = neighbour(s, c, -1 if is_act else 1), "act" if is_act else "grad"
+            if first if is_act else last:
+                side = "previous" if is_act else "next"
+                raise ScheduleError(f"stage {s}: {ins} has no {side} stage to receive from")
+            queue = channel(src, s, what, c)
             if not queue:
                 return False
             got, sent_at = queue.popleft()
             if got != k:
                 raise ScheduleError(f"stage {s}: {ins} expects the {what} of micro-batch {k} "
                                     f"from stage {src}, but the next message is micro-batch {got}")
-            st[what].add(k)
+            st[what].add((k, c))
             t = max(t, sent_at)
         elif isinstance(ins, Forward):
-            if k in st["fwd"] or (s > 0 and k not in st["act"]):
+            if (k, c) in st["fwd"] or (not first and (k, c) not in st["act"]):
                 raise ScheduleError(f"stage {s}: {ins} without its input activation (or twice)")
-            st["fwd"].add(k)
-            cost = forward_cost[s]
+            st["fwd"].add((k, c))
+            cost = forward_cost[s](s, k) if callable(forward_cost[s]) else forward_cost[s]
         elif isinstance(ins, Backward):
-            if k in st["bwd"] or k not in st["fwd"] or (s < n - 1 and k not in st["grad"]):
+            if (k, c) in st["bwd"] or (k, c) not in st["fwd"] or \
+                    (not last and (k, c) not in st["grad"]):
                 raise ScheduleError(f"stage {s}: {ins} before its forward or its output's "
                                     "gradient (or twice)")
-            st["bwd"].add(k)
-            cost = backward_cost[s]
+            st["bwd"].add((k, c))
+            cost = backward_cost[s](s, k) if callable(backward_cost[s]) else backward_cost[s]
         elif isinstance(ins, (SendAct, SendGrad)):
-            dst, what, need = (s + 1, "act", "fwd") if isinstance(ins, SendAct) else \
-                (s - 1, "grad", "bwd")
-            if not 0 <= dst < n:
-                raise ScheduleError(f"stage {s}: {ins} has no stage {dst} to send to")
-            if k not in st[need]:
+            is_act = isinstance(ins, SendAct)
+            (dst, dc), what = neighbour(s, c, 1 if is_act else -1), "act" if is_act else "grad"
+            need = "fwd" if is_act else "bwd"
+            if last if is_act else first:
+                side = "next" if is_act else "previous"
+                raise ScheduleError(f"stage {s}: {ins} has no {side} stage to send to")
+            if (k, c) not in st[need]:
                 raise ScheduleError(f"stage {s}: {ins} before the {need} that computes it")
-            channel(s, dst, what).append((k, t + message_cost))
+            channel(s, dst, what, dc).append((k, t + message_cost))
         elif isinstance(ins, OptimizerStep):
             if st["fwd"] != st["bwd"]:
                 raise ScheduleError(f"stage {s}: optimizer step with micro-batches "
-                                    f"{sorted(st['fwd'] - st['bwd'])} not yet backpropagated")
+                                    f"{sorted({k for k, _ in st['fwd'] - st['bwd']})} not yet "
+                                    "backpropagated")
         clock[s] = t + cost
         done[s].append((ins, t, t + cost))
         return True
@@ -242,13 +306,15 @@ def simulate(lists, forward_cost=1.0, backward_cost=2.0, message_cost=0.0):
             waiting = ", ".join(f"stage {s} at {lists[s][pos[s]]}" for s in range(n)
                                 if pos[s] < len(lists[s]))
             raise ScheduleError(f"deadlock: every unfinished stage waits ({waiting})")
-    left = {key: list(q) for key, q in channels.items() if q}
+    left = {key[:3]: list(q) for key, q in channels.items() if q}
     if left:
         raise ScheduleError(f"messages sent but never received: {left}")
     return done
 
 
 def _per_stage(cost, n):
+    if callable(cost):
+        return [cost] * n
     costs = list(cost) if hasattr(cost, "__len__") else [cost] * n
     if len(costs) != n:
         raise ValueError(f"{len(costs)} costs for {n} stages")

@@ -16,6 +16,8 @@ from mpipar.schedules import (
     bubble_formula,
     format_schedule,
     in_flight,
+    interleaved,
+    one_f_one_b,
     peak_in_flight,
     schedule,
     simulate,
@@ -131,3 +133,113 @@ def test_printed_schedule():
     assert "stage 0 (stashes at most 2): F0 SA0 F1 SA1 RG1 B1 RG0 B0 OPT" in out
     assert "stage 1 |  . F0 F1 B1 B1 B0 B0" in out
     assert "bubble 0.333 (formula 0.333)" in out
+
+
+# ----------------------------------------------------------------------------- interleaved 1F1B
+INTERLEAVED = [(p, m, v) for p in range(1, 6) for v in (2, 3) for m in range(p, 4 * p + 1, p)]
+
+
+def interleaved_lists(p, m, v):
+    return [interleaved(p, r, m, v) for r in range(p)]
+
+
+def test_instruction_prints_its_chunk_only_when_not_zero():
+    assert str(Forward(3)) == str(Forward(3, 0)) == "F3" and Forward(3) == Forward(3, 0)
+    assert str(Forward(3, 1)) == "F3.1" and str(SendGrad(0, 2)) == "SG0.2"
+    assert str(OptimizerStep()) == "OPT" and Forward(3, 1) != Forward(3)
+
+
+def test_exact_interleaved_two_stages_two_chunks():
+    """Groups of p micro-batches through chunk 0 then chunk 1; warm-up (p-r-1) + (v-1)*p."""
+    assert [" ".join(map(str, ins)) for ins in interleaved_lists(2, 2, 2)] == [
+        "F0 SA0 F1 SA1 RA0.1 F0.1 SA0.1 RA1.1 F1.1 SA1.1 RG0.1 B0.1 SG0.1 RG1.1 B1.1 SG1.1 "
+        "RG0 B0 RG1 B1 OPT",
+        "RA0 F0 SA0 RA1 F1 SA1 RA0.1 F0.1 B0.1 SG0.1 RA1.1 F1.1 B1.1 SG1.1 RG0 B0 SG0 "
+        "RG1 B1 SG1 OPT",
+    ]
+
+
+def test_interleaved_with_one_chunk_is_1f1b():
+    for p, m in CASES:
+        if m % p == 0:
+            assert [interleaved(p, r, m, 1) for r in range(p)] == \
+                [one_f_one_b(p, r, m) for r in range(p)], (p, m)
+
+
+def test_interleaved_happens_before_and_matched_messages():
+    """Piece c*p + s (chunk c of stage s) runs a micro-batch's forward after piece c*p + s - 1
+    and its backward after piece c*p + s + 1; no deadlock, nothing left unreceived."""
+    for p, m, v in INTERLEAVED:
+        timeline = simulate(interleaved_lists(p, m, v))  # raises on deadlock or mismatch
+        fwd, bwd = {}, {}
+        for s, events in enumerate(timeline):
+            assert isinstance(events[-1][0], OptimizerStep)
+            for ins, t0, t1 in events:
+                if isinstance(ins, (Forward, Backward)):
+                    table = fwd if isinstance(ins, Forward) else bwd
+                    assert (ins.chunk * p + s, ins.micro) not in table
+                    table[ins.chunk * p + s, ins.micro] = (t0, t1)
+        pieces = [(x, k) for x in range(p * v) for k in range(m)]
+        assert sorted(fwd) == sorted(bwd) == pieces, (p, m, v)
+        for x, k in pieces:
+            assert fwd[x, k][1] <= bwd[x, k][0], (p, m, v, x, k)
+            if x + 1 < p * v:
+                assert fwd[x, k][1] <= fwd[x + 1, k][0], (p, m, v, x, k)
+                assert bwd[x + 1, k][1] <= bwd[x, k][0], (p, m, v, x, k)
+
+
+def test_interleaved_every_send_has_its_receive():
+    """Sends of each kind and chunk are received in the same order by the piece they go to."""
+    for p, m, v in INTERLEAVED:
+        lists = interleaved_lists(p, m, v)
+        for x in range(p * v):
+            c, s = divmod(x, p)
+            for send, recv, y in ((SendAct, RecvAct, x + 1), (SendGrad, RecvGrad, x - 1)):
+                sent = [i.micro for i in lists[s] if isinstance(i, send) and i.chunk == c]
+                got = []
+                if 0 <= y < p * v:
+                    got = [i.micro for i in lists[y % p]
+                           if isinstance(i, recv) and i.chunk == y // p]
+                assert sent == got, (p, m, v, x, send.__name__)
+
+
+def test_interleaved_simulated_bubble_is_the_formula():
+    """A chunk's forward costs 1/v, its backward 2/v: bubble (p-1)/(v*m+p-1), v times less
+    than 1F1B's; v times as many messages; stashes per the docstring."""
+    for p, m, v in INTERLEAVED:
+        lists = interleaved_lists(p, m, v)
+        got = simulated_bubble(simulate(lists, forward_cost=1 / v, backward_cost=2 / v))
+        assert got == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12), (p, m, v)
+        plain = schedule("1f1b", p, m)
+        count = sum(isinstance(i, (SendAct, SendGrad)) for ins in lists for i in ins)
+        assert count == v * sum(isinstance(i, (SendAct, SendGrad)) for ins in plain for i in ins) \
+            + 2 * m * (v - 1), (p, m, v)
+        for r in range(p):
+            assert peak_in_flight(lists[r]) == min(p - r + (v - 1) * p, v * m), (p, m, v, r)
+            assert in_flight(lists[r])[-1] == 0
+
+
+def test_interleaved_costs_per_stage_and_per_micro_batch():
+    """Costs as lists or as functions (stage, micro) give the same timeline as numbers."""
+    lists = interleaved_lists(3, 6, 2)
+    ref = simulate(lists, 0.5, 1.0, message_cost=0.1)
+    assert simulate(lists, [0.5] * 3, [1.0] * 3, message_cost=0.1) == ref
+    assert simulate(lists, lambda s, k: 0.5, lambda s, k: 1.0, message_cost=0.1) == ref
+    slow = simulate(lists, lambda s, k: 0.5 + (k == 0), 1.0)
+    assert slow[0][0][2] == 1.5 and slow != ref
+
+
+def test_interleaved_bad_arguments_and_broken_chunks():
+    with pytest.raises(ValueError, match="multiple of the stages"):
+        interleaved(4, 0, 6, 2)
+    with pytest.raises(ValueError, match="chunks must be positive"):
+        interleaved(2, 0, 2, 0)
+    # chunk 1 of stage 0 takes its input from stage 1's chunk 0, not from stage 0's chunk 0
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate([[Forward(0), SendAct(0), RecvAct(0, 1), Forward(0, 1)], [RecvAct(0, 1)]])
+    # the last stage's last chunk has nowhere to send to
+    with pytest.raises(ScheduleError, match="no next stage"):
+        simulate([[Forward(0), SendAct(0)], [RecvAct(0), Forward(0), SendAct(0)]])
+    # a message for chunk 1 is not taken by a receive on chunk 0
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate([[Forward(0), SendAct(0)], [RecvAct(0, 1)]])
