@@ -2,6 +2,7 @@
 
     mpirun -n 4 python -m mpipar.pipeline             # GPT on text, 4 stages, 1F1B, 4 micro-batches
     mpirun -n 4 python -m mpipar.pipeline --model mlp --schedule gpipe --micro-batches 8
+    mpirun -n 2 python -m mpipar.pipeline --schedule interleaved --chunks 2 --micro-batches 4
     python -m mpipar.pipeline --print-schedule --schedule 1f1b --stages 4 --micro-batches 4
 
 The seed's steps, each under a ``PP Step N`` banner below:
@@ -20,11 +21,15 @@ The seed's steps, each under a ``PP Step N`` banner below:
    is distributed; they are gathered to rank 0 only to evaluate or save the model.
 
 Micro-batches (GPipe): the batch is cut into m micro-batches so that stages work at the same
-time; a schedule from :mod:`mpipar.schedules` (naive, gpipe, 1f1b) is a list of instructions
-per stage, and :func:`run_pipeline` executes it. Every rank computes the global batch from
-(seed, step) itself: the first stage uses its inputs, the last stage its targets, so no data or
-targets travel between stages. The loss divides by the target count of the WHOLE batch, so
-the gradients summed over micro-batches equal the serial gradient exactly.
+time; a schedule from :mod:`mpipar.schedules` (naive, gpipe, 1f1b, interleaved) is a list of
+instructions per stage, and :func:`run_pipeline` executes it. Interleaved 1F1B (``--chunks v``)
+cuts the model into p*v consecutive pieces instead; rank r holds pieces r, r+p, r+2p, ... as v
+chunks, each its own stage module, and every message is tagged with the chunk it goes to:
+bubble (p-1)/(v*m+p-1), v times as many messages; m must be a multiple of p.
+Every rank computes the global batch from (seed, step) itself: the first stage uses its
+inputs, the last stage its targets, so no data or targets travel between stages. The loss
+divides by the target count of the WHOLE batch, so the gradients summed over micro-batches
+equal the serial gradient exactly.
 The batch may not divide by m: micro-batches then differ by one row (comm.split_rows), which
 changes nothing in the result, since the loss normaliser is global; m > batch is refused.
 
@@ -43,9 +48,8 @@ caches its input by reference until backward.
 References: GPipe, Huang et al. 2019 (arXiv:1811.06965), Sec. 2.2; 1F1B / PipeDream-Flush,
 Narayanan et al. 2021 (arXiv:2104.04473), Sec. 2.2; instruction lists after shallowspeed.
 
-Left out on purpose: interleaved 1F1B (v chunks per rank), zero-bubble schedules, activation
-recomputation, overlapping the next step's forward with this step's optimizer, and a
-separate loss-scale for mixed precision.
+Left out on purpose: zero-bubble schedules, activation recomputation, overlapping the next
+step's forward with this step's optimizer, and a separate loss-scale for mixed precision.
 """
 
 import argparse
@@ -59,7 +63,7 @@ from mpipar import backend as B
 from mpipar import comm, nn, serial
 from mpipar.grid import Grid
 from mpipar.schedules import (
-    SCHEDULES,
+    CHOICES,
     Backward,
     Forward,
     OptimizerStep,
@@ -70,10 +74,12 @@ from mpipar.schedules import (
     bubble_formula,
     format_schedule,
     peak_in_flight,
+    stage_schedule,
 )
 from mpipar.trace import TRACE, gantt
 
 TAG_ACT, TAG_GRAD, TAG_LOSS = 11, 12, 13
+CHUNK_TAG = 100  # a message to model chunk c has the tag TAG_ACT or TAG_GRAD + c * CHUNK_TAG
 HEADER_LEN = 10  # tag, micro-batch id, dtype code, ndim, up to 6 dims
 DEFAULT_TIMELINE = "pipeline-timeline.png"
 DRAWN = ("forward", "backward", "optimizer")  # trace kinds on the timeline; the rest is idle
@@ -103,7 +109,7 @@ def recv_tensor(pp_comm, source, tag, micro_id, rows, dtype):
         got_dtype = np.dtype(chr(code))
     except (TypeError, ValueError, OverflowError):  # not a header at all
         got_dtype = f"<dtype code {code}>"
-    what = "activation" if tag == TAG_ACT else "gradient"
+    what = "activation" if tag % CHUNK_TAG == TAG_ACT else "gradient"
     if (got_tag, got_micro, got_dtype) != (tag, micro_id, np.dtype(dtype)) or \
             not shape or shape[0] != rows:
         raise ValueError(
@@ -199,56 +205,76 @@ def micro_batches(a, n_micro):
 StepResult = namedtuple("StepResult", "loss peak_stash_bytes")
 
 
+def chunks_of(module):
+    """The model chunks a rank holds: a list of stage modules (interleaved), else [module]."""
+    return list(module) if isinstance(module, (list, tuple)) else [module]
+
+
 class StageRunner:
     """Executes one stage's instruction list for one training step.
 
     Any module with nn.Module's ``forward(x, micro_id)`` / ``backward(dout, micro_id)`` can be
-    the stage (a tensor-parallel block too). Buffers are keyed by micro-batch id, because a
-    stage holds several micro-batches in flight.
+    the stage (a tensor-parallel block too); a list of such modules is the stage's model chunks
+    (interleaved 1F1B: chunk c of rank r is piece c*p + r of the model). Buffers are keyed by
+    (micro-batch id, chunk), because a stage holds several micro-batches in flight.
     """
 
     def __init__(self, module, pp_comm, micro_rows, inputs=None, targets=None, loss_fn=None,
                  normalizer=None, optimizer=None):
         self.module, self.comm, self.micro_rows = module, pp_comm, micro_rows
+        self.chunks = chunks_of(module)
         self.stage, self.n_stages = pp_comm.rank, pp_comm.size
         self.is_first_stage = self.stage == 0
         self.is_last_stage = self.stage == self.n_stages - 1
         self.inputs, self.targets = inputs, targets  # first stage / last stage only
         self.loss_fn, self.normalizer, self.optimizer = loss_fn, normalizer, optimizer
-        self.acts_in, self.acts_out = {}, {}  # micro id -> received input / output to send
-        self.grads_in, self.grads_out = {}, {}  # micro id -> output's gradient / input's
+        self.acts_in, self.acts_out = {}, {}  # (micro id, chunk) -> received input / output
+        self.grads_in, self.grads_out = {}, {}  # (micro id, chunk) -> output's grad / input's
         self.sends = []  # posted sends, completed at the end of the step
         self.loss = 0.0
         self.peak_stash_bytes = 0
 
-    def forward(self, k):
-        if self.is_first_stage:
+    def first_piece(self, c):
+        return self.is_first_stage and c == 0
+
+    def last_piece(self, c):
+        return self.is_last_stage and c == len(self.chunks) - 1
+
+    def name(self, k, c):
+        return f"micro-batch {k}" + (f" (chunk {c})" if len(self.chunks) > 1 else "")
+
+    def forward(self, k, c=0):
+        if self.first_piece(c):
             comm.narrate(f"PP Step 2: stage 0 runs forward on micro-batch {k}")
             x = self.inputs[k]
         else:
-            x = self.acts_in.pop(k)  # received in Step 4
-        self.output(k, self.module.forward(x, k))
+            x = self.acts_in.pop((k, c))  # received in Step 4
+        self.output(k, c, self.chunks[c].forward(x, k))
 
     # -- PP Step 3: the stage passes its output activations to the next stage --
-    def send_act(self, k):
-        comm.narrate(f"PP Step 3: stage {self.stage} sends micro-batch {k}'s activations "
-                     f"to stage {self.stage + 1}")
-        self.sends += send_tensor(self.comm, self.acts_out.pop(k), self.stage + 1, TAG_ACT, k)
+    def send_act(self, k, c=0):
+        """To the next stage's same chunk; from the last stage to stage 0's next chunk."""
+        dest, to = (self.stage + 1, c) if not self.is_last_stage else (0, c + 1)
+        comm.narrate(f"PP Step 3: stage {self.stage} sends {self.name(k, c)}'s activations "
+                     f"to stage {dest}")
+        self.sends += send_tensor(self.comm, self.acts_out.pop((k, c)), dest,
+                                  TAG_ACT + to * CHUNK_TAG, k)
 
     # -- PP Step 4: the next stage receives them and continues the forward pass --
-    def recv_act(self, k):
-        comm.narrate(f"PP Step 4: stage {self.stage} receives micro-batch {k}'s activations "
-                     f"from stage {self.stage - 1}, then runs forward on them")
-        self.acts_in[k] = recv_tensor(self.comm, self.stage - 1, TAG_ACT, k,
-                                      self.micro_rows[k], B.dtype)
+    def recv_act(self, k, c=0):
+        source = (self.stage - 1) % self.n_stages
+        comm.narrate(f"PP Step 4: stage {self.stage} receives {self.name(k, c)}'s activations "
+                     f"from stage {source}, then runs forward on them")
+        self.acts_in[k, c] = recv_tensor(self.comm, source, TAG_ACT + c * CHUNK_TAG, k,
+                                         self.micro_rows[k], B.dtype)
 
     # -- PP Step 5: the last stage finishes forward and produces the final output --
-    def output(self, k, y):
-        if self.is_last_stage:
+    def output(self, k, c, y):
+        if self.last_piece(c):
             comm.narrate(f"PP Step 5: stage {self.stage} produced the logits of micro-batch {k}")
             self.compute_loss(k, y)
         else:
-            self.acts_out[k] = y  # Step 3 sends it
+            self.acts_out[k, c] = y  # Step 3 sends it
 
     # -- PP Step 6: compute the loss from the output and start backpropagation --
     def compute_loss(self, k, logits):
@@ -257,33 +283,37 @@ class StageRunner:
         comm.narrate(f"PP Step 6: stage {self.stage} computes the loss of micro-batch {k}")
         self.loss += self.loss_fn.forward(logits, self.targets[k], self.normalizer, k)
 
-    def output_grad(self, k):
-        """The gradient that starts backward: from the loss on the last stage, else received."""
-        if self.is_last_stage:
+    def output_grad(self, k, c=0):
+        """The gradient that starts backward: from the loss on the last piece, else received."""
+        if self.last_piece(c):
             return self.loss_fn.backward(1.0, k)
-        return self.grads_in.pop(k)
+        return self.grads_in.pop((k, c))
 
     # -- PP Step 7: backward stage by stage; each passes its input's gradient back --
-    def recv_grad(self, k):
-        comm.narrate(f"PP Step 7: stage {self.stage} receives micro-batch {k}'s gradient "
-                     f"from stage {self.stage + 1}")
-        self.grads_in[k] = recv_tensor(self.comm, self.stage + 1, TAG_GRAD, k,
-                                       self.micro_rows[k], B.dtype)
+    def recv_grad(self, k, c=0):
+        source = (self.stage + 1) % self.n_stages
+        comm.narrate(f"PP Step 7: stage {self.stage} receives {self.name(k, c)}'s gradient "
+                     f"from stage {source}")
+        self.grads_in[k, c] = recv_tensor(self.comm, source, TAG_GRAD + c * CHUNK_TAG, k,
+                                          self.micro_rows[k], B.dtype)
 
-    def backward(self, k):
-        comm.narrate(f"PP Step 7: stage {self.stage} runs backward on micro-batch {k} "
+    def backward(self, k, c=0):
+        comm.narrate(f"PP Step 7: stage {self.stage} runs backward on {self.name(k, c)} "
                      "(parameter gradients accumulate with +=)")
-        dx = self.module.backward(self.output_grad(k), k)
-        if not self.is_first_stage:
-            self.grads_out[k] = dx
+        dx = self.chunks[c].backward(self.output_grad(k, c), k)
+        if not self.first_piece(c):
+            self.grads_out[k, c] = dx
 
-    def send_grad(self, k):
-        comm.narrate(f"PP Step 7: stage {self.stage} sends micro-batch {k}'s input gradient "
-                     f"to stage {self.stage - 1}")
-        self.sends += send_tensor(self.comm, self.grads_out.pop(k), self.stage - 1, TAG_GRAD, k)
+    def send_grad(self, k, c=0):
+        """To the previous stage's same chunk; from stage 0 to the last stage's chunk c-1."""
+        dest, to = (self.stage - 1, c) if not self.is_first_stage else (self.n_stages - 1, c - 1)
+        comm.narrate(f"PP Step 7: stage {self.stage} sends {self.name(k, c)}'s input gradient "
+                     f"to stage {dest}")
+        self.sends += send_tensor(self.comm, self.grads_out.pop((k, c)), dest,
+                                  TAG_GRAD + to * CHUNK_TAG, k)
 
     # -- PP Step 8: with every micro-batch through, each stage updates its own parameters --
-    def optimizer_step(self, _k=None):
+    def optimizer_step(self, _k=None, _c=0):
         comm.narrate(f"PP Step 8: stage {self.stage} updates its parameters")
         if self.optimizer is not None:
             self.optimizer.step()
@@ -297,9 +327,10 @@ class StageRunner:
         for ins in instructions:
             info = {} if ins.micro is None else {"micro": ins.micro}
             with TRACE.span(ins.kind, str(ins), **info):
-                self.HANDLERS[type(ins)](self, ins.micro)
+                self.HANDLERS[type(ins)](self, ins.micro, ins.chunk)
             if isinstance(ins, Forward):  # only a forward adds to the stash
-                self.peak_stash_bytes = max(self.peak_stash_bytes, self.module.cached_bytes())
+                self.peak_stash_bytes = max(self.peak_stash_bytes,
+                                            sum(ch.cached_bytes() for ch in self.chunks))
         for request in self.sends:
             request.wait()
         left = {name: sorted(d) for name, d in (("received activations", self.acts_in),
@@ -307,8 +338,8 @@ class StageRunner:
                                                 ("received gradients", self.grads_in),
                                                 ("unsent gradients", self.grads_out)) if d}
         if left:
-            raise RuntimeError(f"stage {self.stage}: the schedule left micro-batches behind: "
-                               f"{left}")
+            raise RuntimeError(f"stage {self.stage}: the schedule left (micro-batch, chunk) "
+                               f"behind: {left}")
         return StepResult(self.loss if self.is_last_stage else None, self.peak_stash_bytes)
 
 
@@ -316,6 +347,7 @@ def run_pipeline(module, instructions, pp_comm, micro_rows, inputs=None, targets
                  loss_fn=None, normalizer=None, optimizer=None, zero_grad=True):
     """One training step of one stage: zero the gradients, run the schedule's instructions.
 
+    ``module``: the stage, or the list of its model chunks (interleaved).
     ``micro_rows[k]``: rows of micro-batch k (every stage knows them, to check each message).
     ``inputs``: the micro-batches of the inputs (first stage); ``targets`` theirs (last stage).
     ``loss_fn``: forward(logits, targets, normalizer, micro_id) / backward(dout, micro_id), as
@@ -325,7 +357,8 @@ def run_pipeline(module, instructions, pp_comm, micro_rows, inputs=None, targets
     of activations the module stashed).
     """
     if zero_grad:
-        module.zero_grad()
+        for chunk in chunks_of(module):
+            chunk.zero_grad()
     runner = StageRunner(module, pp_comm, micro_rows, inputs, targets, loss_fn, normalizer,
                          optimizer)
     return runner.run(instructions)
@@ -347,24 +380,28 @@ def send_loss_to_rank0(pp_comm, loss):
 
 # -- PP Step 9: the parameters stay on their stage; gather them to rank 0 to evaluate or save --
 def gather_params(module, pp_comm, root=0):
-    """{canonical name: host array} of the WHOLE model on root (None elsewhere): each stage's
-    parameters flattened into one buffer, then one Gatherv."""
-    named = list(module.named_parameters())
+    """{canonical name: host array} of the WHOLE model on root (None elsewhere), in the model's
+    order: each stage's parameters (of all its chunks) flattened into one buffer, one Gatherv."""
+    chunks = chunks_of(module)
+    named = [pair for chunk in chunks for pair in chunk.named_parameters()]
     flat = (B.xp.concatenate([p.data.reshape(-1) for _, p in named]) if named
             else B.xp.zeros(0, dtype=B.dtype))
     counts = pp_comm.allgather_obj(int(flat.size))
-    layout = pp_comm.gather_obj([(name, p.shape) for name, p in named], root=root)
+    layout = pp_comm.gather_obj([[(name, p.shape) for name, p in chunk.named_parameters()]
+                                 for chunk in chunks], root=root)
     recv = B.xp.empty(sum(counts), dtype=flat.dtype) if pp_comm.rank == root else None
     pp_comm.Gatherv(flat, counts, recv, root=root)
     if pp_comm.rank != root:
         return None
-    out, offset, host = {}, 0, B.to_numpy(recv)
-    for stage_layout in layout:
-        for name, shape in stage_layout:
-            size = int(np.prod(shape))
-            out[name] = host[offset:offset + size].reshape(shape)
-            offset += size
-    return out
+    pieces, offset, host = {}, 0, B.to_numpy(recv)
+    for rank, stage_layout in enumerate(layout):
+        for c, chunk_layout in enumerate(stage_layout):  # chunk c of rank r: piece c*p + r
+            piece = pieces.setdefault(c * pp_comm.size + rank, {})
+            for name, shape in chunk_layout:
+                size = int(np.prod(shape))
+                piece[name] = host[offset:offset + size].reshape(shape)
+                offset += size
+    return {name: value for x in sorted(pieces) for name, value in pieces[x].items()}
 
 
 def assemble_model(task, params):
@@ -424,8 +461,11 @@ def parse_args(argv=None):
         elif action.dest == "n_layers":
             action.default, action.help = 4, "GPT blocks (default 4 here: about one per stage)"
     g = ap.add_argument_group("pipeline")
-    g.add_argument("--schedule", default="1f1b", metavar="{" + ",".join(SCHEDULES) + "}",
-                   help="naive, gpipe or 1f1b (default 1f1b)")
+    g.add_argument("--schedule", default="1f1b", metavar="{" + ",".join(CHOICES) + "}",
+                   help="naive, gpipe, 1f1b or interleaved (default 1f1b)")
+    g.add_argument("--chunks", type=int, metavar="V",
+                   help="model chunks per rank for --schedule interleaved (default 2; the "
+                        "model is cut into P*V pieces)")
     g.add_argument("--micro-batches", type=int, default=4, metavar="M",
                    help="micro-batches per step (default 4)")
     g.add_argument("--partition", metavar="N,N,...",
@@ -440,8 +480,15 @@ def parse_args(argv=None):
     g.add_argument("--stages", type=int, default=4,
                    help="number of stages for --print-schedule (default 4)")
     args = ap.parse_args(argv)
-    if args.schedule not in SCHEDULES:
-        comm.refuse(f"unknown --schedule {args.schedule!r}: choose one of {', '.join(SCHEDULES)}")
+    if args.schedule not in CHOICES:
+        comm.refuse(f"unknown --schedule {args.schedule!r}: choose one of {', '.join(CHOICES)}")
+    if args.chunks is None:
+        args.chunks = 2 if args.schedule == "interleaved" else 1
+    elif args.schedule != "interleaved" and args.chunks != 1:
+        comm.refuse(f"--chunks {args.chunks} needs --schedule interleaved ({args.schedule} "
+                    "runs one model chunk per rank)")
+    if args.chunks <= 0:
+        comm.refuse(f"--chunks must be positive, got {args.chunks}")
     if args.micro_batches <= 0:
         comm.refuse(f"--micro-batches must be positive, got {args.micro_batches}")
     return args
@@ -453,7 +500,10 @@ def main(argv=None):
     if args.print_schedule:
         if args.stages <= 0:
             comm.refuse(f"--stages must be positive, got {args.stages}")
-        comm.log(format_schedule(args.schedule, args.stages, args.micro_batches))
+        if args.schedule == "interleaved" and args.micro_batches % args.stages:
+            comm.refuse(f"--schedule interleaved needs --micro-batches ({args.micro_batches}) "
+                        f"to be a multiple of the stages ({args.stages})")
+        comm.log(format_schedule(args.schedule, args.stages, args.micro_batches, args.chunks))
         return
     args = serial.finish_args(args)
     if args.micro_batches > args.batch_size:
@@ -462,30 +512,43 @@ def main(argv=None):
 
     grid = Grid(pp=MPI.COMM_WORLD.Get_size())  # a pure pipeline: every rank is one stage
     pp_comm = grid.pp_comm
-    n_stages, stage_id, m = pp_comm.size, pp_comm.rank, args.micro_batches
+    n_stages, stage_id, m, v = pp_comm.size, pp_comm.rank, args.micro_batches, args.chunks
     is_first_stage, is_last_stage = stage_id == 0, stage_id == n_stages - 1
     task = serial.Task(args)
-    counts, flops = plan_stages(task, n_stages, m, args.partition)
-    bounds = stage_bounds(counts)
     model = task.build_model()
+    if v > 1:
+        if m % n_stages:
+            comm.refuse(f"--schedule interleaved needs --micro-batches ({m}) to be a multiple "
+                        f"of the stages ({n_stages})")
+        if n_stages * v > len(model.layers):
+            comm.refuse(f"{n_stages} stages x {v} chunks = {n_stages * v} model pieces but the "
+                        f"{task.kind} model has only {len(model.layers)} layers: use fewer "
+                        "--chunks or ranks (or a deeper model)")
+    counts, flops = plan_stages(task, n_stages * v, m, args.partition)
+    bounds = stage_bounds(counts)  # piece x = c*p + r is chunk c of rank r
     comm.EXPLAIN = args.explain
-    a, b = bounds[stage_id]
-    comm.narrate(f"PP Step 1: stage {stage_id} holds layers {a}..{b - 1} of {len(model.layers)}: "
-                 + ", ".join(name for name, _ in model.layers[a:b]))
-    stage = build_stage(model, bounds[stage_id], args.seed)
-    opt = serial.make_optimizer(args, stage.parameters())
-    instructions = SCHEDULES[args.schedule](n_stages, stage_id, m)
+    mine = [c * n_stages + stage_id for c in range(v)]
+    comm.narrate(f"PP Step 1: stage {stage_id} holds layers " + "; ".join(
+        f"{bounds[x][0]}..{bounds[x][1] - 1}" for x in mine) + f" of {len(model.layers)}: "
+        + ", ".join(name for x in mine for name, _ in model.layers[slice(*bounds[x])]))
+    chunks = [build_stage(model, bounds[x], args.seed) for x in mine]
+    stage = chunks[0] if v == 1 else chunks
+    opt = serial.make_optimizer(args, [p for chunk in chunks for p in chunk.parameters()])
+    instructions = stage_schedule(args.schedule, n_stages, stage_id, m, v)
     micro_rows = comm.split_rows(args.batch_size, m)
 
     n_params = sum(p.size for p in model.parameters())
     rows = "/".join(map(str, sorted(set(micro_rows), reverse=True)))
     comm.log(f"pipeline: {args.model} with {n_params:,} parameters on {n_stages} stages, "
-             f"schedule {args.schedule}, {m} micro-batches of {rows} rows, {args.steps} steps "
+             f"schedule {args.schedule}" + (f" with {v} chunks per stage" if v > 1 else "")
+             + f", {m} micro-batches of {rows} rows, {args.steps} steps "
              f"of batch {args.batch_size}, {args.optim} lr {args.lr}, {args.dtype}")
     total = sum(flops)
-    for s, (a, b) in enumerate(bounds):
+    for x, (a, b) in enumerate(bounds):
         names = ", ".join(name for name, _ in model.layers[a:b])
-        comm.log(f"  stage {s} (rank {s}): {names:<34} {sum(flops[a:b]) / 1e6:8.2f} MFLOP "
+        where = f"stage {x} (rank {x})" if v == 1 else \
+            f"piece {x} (rank {x % n_stages}, chunk {x // n_stages})"
+        comm.log(f"  {where}: {names:<34} {sum(flops[a:b]) / 1e6:8.2f} MFLOP "
                  f"forward per micro-batch ({sum(flops[a:b]) / max(total, 1):4.0%})")
 
     bar = serial.progress(args.steps, "pipeline", args.quiet or pp_comm.rank != 0)
@@ -517,7 +580,8 @@ def main(argv=None):
                  "evaluate" + (" and save" if args.save_params else ""))
     params = gather_params(stage, pp_comm)
     comm.EXPLAIN = False
-    in_flight = [peak_in_flight(SCHEDULES[args.schedule](n_stages, s, m)) for s in range(n_stages)]
+    in_flight = [peak_in_flight(stage_schedule(args.schedule, n_stages, s, m, v))
+                 for s in range(n_stages)]
     if pp_comm.rank != 0:
         return
     full = assemble_model(task, params)
@@ -527,14 +591,16 @@ def main(argv=None):
     steps = f"steps 2..{args.steps}" if args.steps > 2 else \
         ("step 2" if args.steps == 2 else "step 1, the only one")
     print(f"bubble measured from the trace {median_bubble(all_summaries):.3f} (median over "
-          f"{steps}), (p-1)/(m+p-1) = {bubble_formula(n_stages, m):.3f}"
+          f"{steps}), " + ("(p-1)/(m+p-1)" if v == 1 else "(p-1)/(v*m+p-1)")
+          + f" = {bubble_formula(n_stages, m, args.schedule, v):.3f}"
           f"{oversubscribed}", flush=True)
     print("peak activation stash per stage: " + ", ".join(
-        f"{_fmt_bytes(b)} ({k} micro-batch{'es' if k > 1 else ''})"
+        f"{_fmt_bytes(b)} ({k} {'chunk ' if v > 1 else ''}micro-batch{'es' if k > 1 else ''})"
         for b, k in zip(peaks, in_flight)), flush=True)
     if args.timeline and args.timeline.lower() != "none":
         i = median_step(all_summaries)
-        title = (f"{args.model}, {args.schedule}, {n_stages} stages, {m} micro-batches: step "
+        title = (f"{args.model}, {args.schedule}, {n_stages} stages"
+                 + (f" x {v} chunks" if v > 1 else "") + f", {m} micro-batches: step "
                  f"{i + 1} of {args.steps}, the median step by duration")
         gantt([events[i] for events in step_events], args.timeline, title=title)
         print(f"timeline of step {i + 1} (the median by duration): "

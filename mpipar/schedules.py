@@ -181,18 +181,32 @@ def interleaved(n_stages, stage, n_micro, n_chunks=2):
 SCHEDULES = {"naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b}
 
 
-def schedule(name, n_stages, n_micro):
+CHOICES = (*SCHEDULES, "interleaved")  # interleaved also takes the number of model chunks
+
+
+def stage_schedule(name, n_stages, stage, n_micro, n_chunks=1):
+    """One stage's instruction list; ``n_chunks`` is used by (and only by) ``interleaved``."""
+    if name not in CHOICES:
+        raise ValueError(f"unknown schedule {name!r}: choose one of {', '.join(CHOICES)}")
+    if name == "interleaved":
+        return interleaved(n_stages, stage, n_micro, n_chunks)
+    if n_chunks != 1:
+        raise ValueError(f"schedule {name} runs one model chunk per stage, not {n_chunks}")
+    return SCHEDULES[name](n_stages, stage, n_micro)
+
+
+def schedule(name, n_stages, n_micro, n_chunks=1):
     """Every stage's instruction list for one step."""
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}: choose one of {', '.join(SCHEDULES)}")
-    return [SCHEDULES[name](n_stages, s, n_micro) for s in range(n_stages)]
+    return [stage_schedule(name, n_stages, s, n_micro, n_chunks) for s in range(n_stages)]
 
 
-def bubble_formula(n_stages, n_micro, name="gpipe"):
-    """Idle share of a step with equal stages: (p-1)/(m+p-1), or (p-1)/p for naive."""
+def bubble_formula(n_stages, n_micro, name="gpipe", n_chunks=1):
+    """Idle share of a step with equal stages: (p-1)/(m+p-1), or (p-1)/p for naive, or
+    (p-1)/(v*m+p-1) for interleaved with v chunks."""
     if name == "naive":
         return (n_stages - 1) / n_stages
-    return (n_stages - 1) / (n_micro + n_stages - 1)
+    v = n_chunks if name == "interleaved" else 1
+    return (n_stages - 1) / (v * n_micro + n_stages - 1)
 
 
 # ----------------------------------------------------------------------------- analysis
@@ -329,24 +343,30 @@ def simulated_bubble(timeline):
     return 1.0 - sum(t1 - t0 for t0, t1 in spans) / (len(timeline) * (end - begin))
 
 
-def format_schedule(name, n_stages, n_micro):
-    """Every stage's instruction list, and the simulated timeline (forward 1 unit, backward 2)."""
-    lists = schedule(name, n_stages, n_micro)
+def format_schedule(name, n_stages, n_micro, n_chunks=1):
+    """Every stage's instruction list, and the simulated timeline (forward 1 unit, backward 2,
+    per chunk: the bubble share does not depend on the unit)."""
+    lists = schedule(name, n_stages, n_micro, n_chunks)
     timeline = simulate(lists)
-    lines = [f"schedule {name}: {n_stages} stages, {n_micro} micro-batches",
+    chunked = name == "interleaved"
+    lines = [f"schedule {name}: {n_stages} stages, {n_micro} micro-batches"
+             + (f", {n_chunks} model chunks per stage" if chunked else ""),
              "  F/B forward/backward, SA/RA send/receive activation, SG/RG send/receive "
-             "gradient, OPT optimizer step; the number is the micro-batch"]
+             "gradient, OPT optimizer step; the number is the micro-batch"
+             + (" (.c: on model chunk c)" if chunked else "")]
     for s, ins in enumerate(lists):
         lines.append(f"  stage {s} (stashes at most {peak_in_flight(ins)}): "
                      + " ".join(map(str, ins)))
     lines.append("simulated timeline (one cell per time unit; forward 1 unit, backward 2):")
     end = int(max(t1 for events in timeline for _, _, t1 in events))
+    width = 5 if chunked else 3
     for s, events in enumerate(timeline):
-        cells = ["  ."] * end
+        cells = [".".rjust(width)] * end
         for ins, t0, t1 in events:
+            label = f"{ins.code}{ins.micro}" + (f".{ins.chunk}" if chunked else "")
             for t in range(int(t0), int(t1)):
-                cells[t] = f"{ins.code}{ins.micro}".rjust(3)
+                cells[t] = label.rjust(width)
         lines.append(f"  stage {s} |" + "".join(cells))
     lines.append(f"bubble {simulated_bubble(timeline):.3f} (formula "
-                 f"{bubble_formula(n_stages, n_micro, name):.3f})")
+                 f"{bubble_formula(n_stages, n_micro, name, n_chunks):.3f})")
     return "\n".join(lines)

@@ -1,7 +1,7 @@
 """Pipeline parallelism under mpirun: every schedule and micro-batch count equals the serial
-trainer on 1 to 4 stages (also with synchronous sends), the stash of activations matches the
-schedule, the command line reports what the serial trainer reports, and bad input ends every
-rank with one clear message."""
+trainer on 1 to 4 stages (also with synchronous sends), interleaved 1F1B on 2 and 4, the
+stash of activations matches the schedule, the command line reports what the serial trainer
+reports, and bad input ends every rank with one clear message."""
 
 import re
 import subprocess
@@ -21,7 +21,8 @@ MLP = ["--model", "mlp", "--sizes", "64,16,16,16,16,10", "--batch-size", "12", "
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_every_schedule_equals_serial(mpirun, n):
     """naive, gpipe, 1f1b x m in {1, 2, 4, 8} x {MLP of 9 layers, GPT of 5}: losses and
-    parameters after 3 steps (rel. err <= 1e-10), peak stash = in-flight x one micro-batch."""
+    parameters after 3 steps (rel. err <= 1e-10), peak stash = in-flight x one micro-batch;
+    on 2 and 4 ranks also interleaved 1F1B with 2 chunks, m in {4, 8}, MLP and GPT of 8."""
     out = mpirun(n, [MPI_SCRIPTS / "pp_checks.py"], timeout=90)
     assert f"pp checks passed on {n} ranks" in out.stdout
 
@@ -51,6 +52,26 @@ def test_command_line_matches_serial(mpirun, tmp_path, capsys):
     assert "peak activation stash per stage" in out and "(5 micro-batches)" in out
 
 
+def test_interleaved_command_line_matches_serial(mpirun, tmp_path, capsys):
+    """--schedule interleaved --chunks 2 on 2 ranks: 4 pieces, the serial result, the formula."""
+    saved = tmp_path / "pp.npz"
+    out = mpirun(2, ["-m", "mpipar.pipeline", *MLP, "--schedule", "interleaved", "--chunks",
+                     "2", "--micro-batches", "4", "--save-params", saved, "--timeline", "none"],
+                 timeout=60).stdout
+    serial.main(MLP + ["--save-params", str(tmp_path / "serial.npz")])
+    want = [line for line in capsys.readouterr().out.splitlines() if "final" in line]
+    assert [line for line in out.splitlines() if "final" in line] == want
+    ref, got = serial.load_params(tmp_path / "serial.npz"), serial.load_params(saved)
+    assert sorted(got) == sorted(ref)
+    for name, value in got.items():
+        np.testing.assert_allclose(value, ref[name], rtol=1e-10, atol=1e-14, err_msg=name)
+    assert "schedule interleaved with 2 chunks per stage, 4 micro-batches" in out, out
+    assert re.search(r"piece 0 \(rank 0, chunk 0\): fc0", out), out
+    assert re.search(r"piece 3 \(rank 1, chunk 1\): ", out), out
+    assert re.search(r"bubble measured from the trace 0\.\d+ .*\(p-1\)/\(v\*m\+p-1\) = 0\.111",
+                     out), out
+
+
 def test_default_run_is_the_gpt_on_4_stages(mpirun, tmp_path):
     """The demo's command, shortened to 3 steps: partition, report, bubble, timeline."""
     picture = tmp_path / "t.png"
@@ -71,6 +92,11 @@ def test_default_run_is_the_gpt_on_4_stages(mpirun, tmp_path):
     (2, ["--micro-batches", "0"], "--micro-batches must be positive"),
     (2, ["--model", "mlp", "--micro-batches", "65"], "exceeds --batch-size 64"),
     (2, ["--model", "mlp", "--partition", "1,1"], "summing to 5"),
+    (2, ["--schedule", "interleaved", "--micro-batches", "3"], "multiple of the stages (2)"),
+    (2, ["--chunks", "2"], "--chunks 2 needs --schedule interleaved"),
+    (2, ["--schedule", "interleaved", "--chunks", "0"], "--chunks must be positive"),
+    (2, ["--model", "mlp", "--sizes", "64,16,10", "--schedule", "interleaved"],
+     "4 model pieces but the mlp model has only 3 layers"),
 ])
 def test_bad_input_ends_every_rank_clearly(mpirun, ranks, flags, message):
     t0 = time.time()
@@ -88,6 +114,13 @@ def test_print_schedule_needs_no_mpirun():
     assert "stage 3 (stashes at most 1): RA0 F0 B0 SG0 RA1 F1 B1 SG1" in out, out
     assert "stage 0 (stashes at most 4): F0 SA0 F1 SA1 F2 SA2 F3 SA3 RG0 B0" in out, out
     assert "bubble 0.429 (formula 0.429)" in out
+    out = subprocess.run([sys.executable, "-m", "mpipar.pipeline", "--print-schedule",
+                          "--schedule", "interleaved", "--stages", "2", "--micro-batches", "2"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT, check=True).stdout
+    assert "2 model chunks per stage" in out, out
+    assert "stage 1 (stashes at most 3): RA0 F0 SA0 RA1 F1 SA1 RA0.1 F0.1 B0.1" in out, out
+    assert "stage 1 |    . F0.0 F1.0 F0.1 B0.1 B0.1" in out, out
+    assert "bubble 0.200 (formula 0.200)" in out
 
 
 def test_every_seed_step_has_one_banner_in_order():

@@ -243,3 +243,14 @@ def test_interleaved_bad_arguments_and_broken_chunks():
     # a message for chunk 1 is not taken by a receive on chunk 0
     with pytest.raises(ScheduleError, match="deadlock"):
         simulate([[Forward(0), SendAct(0)], [RecvAct(0, 1)]])
+
+
+def test_interleaved_by_name():
+    assert schedule("interleaved", 2, 4, 2) == interleaved_lists(2, 4, 2)
+    assert bubble_formula(4, 8, "interleaved", 2) == pytest.approx(3 / 19)
+    assert bubble_formula(4, 8, "1f1b", 2) == pytest.approx(3 / 11)  # chunks only interleave
+    with pytest.raises(ValueError, match="one model chunk per stage"):
+        schedule("1f1b", 2, 4, 2)
+    out = format_schedule("interleaved", 2, 2, 2)
+    assert "stage 0 | F0.0 F1.0 F0.1 F1.1    .    . B0.1 B0.1" in out, out
+    assert "bubble 0.200 (formula 0.200)" in out

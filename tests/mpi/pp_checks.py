@@ -4,8 +4,10 @@ For every schedule x micro-batch count x model (an MLP of 9 layers, a GPT of 5),
 the loss of every step and every parameter after 3 steps equal the serial trainer's (relative
 error <= 1e-10); the peak stash of activations each stage measures equals the schedule's
 peak number of micro-batches in flight times the stash of one micro-batch; the parameters
-gathered to rank 0 are the whole serial model. Also: a hand-set --partition, the header check
-of a message, and (on one rank) the partition by FLOPs. --quick runs a subset.
+gathered to rank 0 are the whole serial model. Interleaved 1F1B (2 chunks per rank, m in
+{4, 8}, on 2 and 4 ranks, the GPT with 6 blocks so that 4 ranks get 8 pieces): the same, with
+the stash predicted chunk by chunk. Also: a hand-set --partition, the header check of a
+message, and (on one rank) the partition by FLOPs. --quick runs a subset.
 """
 
 import argparse
@@ -19,7 +21,7 @@ from mpipar import comm as C
 from mpipar import pipeline as PP
 from mpipar import serial
 from mpipar.grid import Grid
-from mpipar.schedules import SCHEDULES, peak_in_flight
+from mpipar.schedules import SCHEDULES, Backward, Forward, interleaved, peak_in_flight
 
 C.install_excepthook()
 quick = "--quick" in sys.argv
@@ -102,6 +104,49 @@ def check(task, ref_losses, ref_params, schedule, m, partition=None, gather=Fals
             assert full is None
 
 
+def check_interleaved(task, ref_losses, ref_params, m, v=2):
+    """Interleaved 1F1B: the model in P*v pieces, chunk c of this rank is piece c*P + r."""
+    name = f"{task.kind} interleaved v={v} m={m}"
+    counts, _ = PP.plan_stages(task, P * v, m)
+    bounds = PP.stage_bounds(counts)
+    mine = [bounds[c * P + r] for c in range(v)]
+    chunks = [PP.build_stage(task.build_model(), b, task.args.seed) for b in mine]
+    opt = serial.make_optimizer(task.args, [p for ch in chunks for p in ch.parameters()])
+    instructions = interleaved(P, r, m, v)
+    micro_rows = C.split_rows(task.args.batch_size, m)
+    peak = 0
+    for step in range(STEPS):
+        x, y = task.to_device(*task.batch(step))
+        result = PP.run_pipeline(
+            chunks, instructions, pp, micro_rows,
+            inputs=PP.micro_batches(x, m) if r == 0 else None,
+            targets=PP.micro_batches(y, m) if r == P - 1 else None,
+            loss_fn=task.loss_fn, normalizer=y.size, optimizer=opt)
+        peak = max(peak, result.peak_stash_bytes)
+        if r == P - 1:
+            assert abs(result.loss - ref_losses[step]) <= 1e-10 * abs(ref_losses[step]), \
+                (name, step, result.loss, ref_losses[step])
+        assert sum(ch.cached_bytes() for ch in chunks) == 0, (name, "activations left")
+    for ch in chunks:
+        for pname, p in ch.named_parameters():
+            err = rel_err(B.to_numpy(p.data), ref_params[pname])
+            assert err <= 1e-10, f"{name}: rank {r} {pname} relative error {err:.2e}"
+    if task.args.batch_size % m == 0:  # the most bytes the chunks in flight stash at once
+        one = [stash_of_one_micro_batch(task, b, m) for b in mine]
+        held, want = 0, 0
+        for ins in instructions:
+            held += one[ins.chunk] * (isinstance(ins, Forward) - isinstance(ins, Backward))
+            want = max(want, held)
+        assert peak == want > 0, f"{name}: rank {r} stashed {peak} bytes, schedule predicts {want}"
+    full = PP.gather_params(chunks, pp)
+    if r == 0:
+        assert list(full) == list(ref_params), (list(full), list(ref_params))
+        for pname, value in full.items():
+            assert rel_err(value, ref_params[pname]) <= 1e-10, (name, pname)
+    else:
+        assert full is None
+
+
 def check_partition():
     """The FLOPs partition on its own (pure function; checked once, on one rank)."""
     assert PP.partition([1, 1, 1, 1], 2) == [2, 2]
@@ -157,4 +202,12 @@ for flags in MODELS.values():
     n_layers = len(task.build_model().layers)
     by_hand = ",".join(map(str, [n_layers - P + 1] + [1] * (P - 1)))  # all but P-1 on stage 0
     check(task, ref_losses, ref_params, "1f1b", 2, partition=by_hand, gather=True)
+if P in (2, 4):
+    deep_gpt = ["--model", "gpt", "--d-model", "16", "--n-heads", "2", "--n-layers", "6",
+                "--seq-len", "8", "--batch-size", "8"]
+    for flags in (MODELS["mlp"], deep_gpt):
+        task = make_task(flags)
+        ref_losses, ref_params = serial_run(task)
+        for m in (4, 8):
+            check_interleaved(task, ref_losses, ref_params, m)
 C.log(f"pp checks passed on {P} ranks")
