@@ -185,7 +185,8 @@ def plan_stages(task, n_stages, n_micro, partition_arg=None):
             comm.refuse(f"--partition {partition_arg!r}: expected layer counts like 2,1,1")
         if len(counts) != n_stages or min(counts) < 1 or sum(counts) != len(names):
             comm.refuse(f"--partition {partition_arg}: need {n_stages} positive layer counts "
-                        f"(one per stage) summing to {len(names)}, the model's layers: "
+                        f"(one per stage, or per piece, stages x chunks, when interleaved) "
+                        f"summing to {len(names)}, the model's layers: "
                         f"{', '.join(names)}")
         return counts, flops
     if n_stages > len(names):
