@@ -46,6 +46,24 @@ def run_mpi(n, args, timeout=120, env=None, check=True):
     return proc
 
 
+def assert_matches_serial(out, flags, saved, tmp_path, capsys):
+    """A scheme's command-line run against the serial trainer with the same ``flags``: the
+    same final report line in ``out`` (its stdout), and every parameter it saved to ``saved``
+    equal to the serial one (the same names, relative error at most 1e-10)."""
+    import numpy as np
+
+    from mpipar import serial
+
+    reference = tmp_path / "serial.npz"
+    serial.main([*flags, "--save-params", str(reference)])
+    want = [line for line in capsys.readouterr().out.splitlines() if "final" in line]
+    assert want and [line for line in out.splitlines() if "final" in line] == want
+    ref, got = serial.load_params(reference), serial.load_params(saved)
+    assert sorted(got) == sorted(ref)
+    for name, value in got.items():
+        np.testing.assert_allclose(value, ref[name], rtol=1e-10, atol=1e-14, err_msg=name)
+
+
 @pytest.fixture
 def mpirun():
     return run_mpi

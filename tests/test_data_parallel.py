@@ -4,11 +4,8 @@ bad input ends every rank with one message."""
 
 import time
 
-import numpy as np
 import pytest
-from conftest import MPI_SCRIPTS
-
-from mpipar import serial
+from conftest import MPI_SCRIPTS, assert_matches_serial
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
@@ -31,13 +28,7 @@ def test_command_line_matches_serial(mpirun, tmp_path, capsys):
     saved = tmp_path / "dp.npz"
     out = mpirun(3, ["-m", "mpipar.data_parallel", *flags, "--micro-batches", "2", "--explain",
                      "--save-params", saved], timeout=60).stdout
-    serial.main(flags + ["--save-params", str(tmp_path / "serial.npz")])
-    want = [line for line in capsys.readouterr().out.splitlines() if "final" in line]
-    got = [line for line in out.splitlines() if "final" in line]
-    assert got == want
-    ref = serial.load_params(tmp_path / "serial.npz")
-    for name, value in serial.load_params(saved).items():
-        np.testing.assert_allclose(value, ref[name], rtol=1e-10, atol=1e-14, err_msg=name)
+    assert_matches_serial(out, flags, saved, tmp_path, capsys)
     # --explain: every rank narrates each of the five seed steps of the first step only
     for rank in range(3):
         for step in range(1, 6):

@@ -6,11 +6,8 @@ sizes end every rank with one message."""
 import re
 import time
 
-import numpy as np
 import pytest
-from conftest import MPI_SCRIPTS, ROOT
-
-from mpipar import serial
+from conftest import MPI_SCRIPTS, ROOT, assert_matches_serial
 
 TINY_GPT = ["--model", "gpt", "--d-model", "8", "--n-heads", "2", "--n-layers", "2",
             "--seq-len", "8", "--batch-size", "8", "--steps", "3", "--dtype", "float64",
@@ -38,13 +35,7 @@ def test_command_line_matches_serial_with_synchronous_sends(mpirun, tmp_path, ca
     out = mpirun(8, ["-m", "mpipar.hybrid", "--dp", "2", "--tp", "2", "--pp", "2", *TINY_GPT,
                      "--schedule", "gpipe", "--micro-batches", "2", "--explain",
                      "--save-params", saved], timeout=90, env={"MPIPAR_SSEND": "1"}).stdout
-    serial.main(TINY_GPT + ["--save-params", str(tmp_path / "serial.npz")])
-    want = [line for line in capsys.readouterr().out.splitlines() if "final" in line]
-    assert [line for line in out.splitlines() if "final" in line] == want
-    ref, got = serial.load_params(tmp_path / "serial.npz"), serial.load_params(saved)
-    assert sorted(got) == sorted(ref)
-    for name, value in got.items():
-        np.testing.assert_allclose(value, ref[name], rtol=1e-10, atol=1e-14, err_msg=name)
+    assert_matches_serial(out, TINY_GPT, saved, tmp_path, capsys)
     assert re.search(r"stage 0 \(ranks \[0, 1, 4, 5\]\): embed, blocks\.0 ", out), out
     # --explain: every rank narrates Steps 1-6 of the first step once; replica 0 gathers
     for rank in range(8):

@@ -8,11 +8,8 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
-from conftest import MPI_SCRIPTS, ROOT
-
-from mpipar import serial
+from conftest import MPI_SCRIPTS, ROOT, assert_matches_serial
 
 MLP = ["--model", "mlp", "--sizes", "64,16,16,16,16,10", "--batch-size", "12", "--steps", "4",
        "--dtype", "float64", "--quiet"]
@@ -39,14 +36,7 @@ def test_command_line_matches_serial(mpirun, tmp_path, capsys):
     saved, picture = tmp_path / "pp.npz", tmp_path / "timeline.png"
     out = mpirun(3, ["-m", "mpipar.pipeline", *MLP, "--schedule", "gpipe", "--micro-batches",
                      "5", "--save-params", saved, "--timeline", picture], timeout=60).stdout
-    serial.main(MLP + ["--save-params", str(tmp_path / "serial.npz")])
-    want = [line for line in capsys.readouterr().out.splitlines() if "final" in line]
-    assert [line for line in out.splitlines() if "final" in line] == want
-    ref = serial.load_params(tmp_path / "serial.npz")
-    got = serial.load_params(saved)
-    assert sorted(got) == sorted(ref)
-    for name, value in got.items():
-        np.testing.assert_allclose(value, ref[name], rtol=1e-10, atol=1e-14, err_msg=name)
+    assert_matches_serial(out, MLP, saved, tmp_path, capsys)
     assert picture.stat().st_size > 10_000
     assert re.search(r"stage 0 \(rank 0\): fc0", out), out
     assert "peak activation stash per stage" in out and "(5 micro-batches)" in out
@@ -58,13 +48,7 @@ def test_interleaved_command_line_matches_serial(mpirun, tmp_path, capsys):
     out = mpirun(2, ["-m", "mpipar.pipeline", *MLP, "--schedule", "interleaved", "--chunks",
                      "2", "--micro-batches", "4", "--save-params", saved, "--timeline", "none"],
                  timeout=60).stdout
-    serial.main(MLP + ["--save-params", str(tmp_path / "serial.npz")])
-    want = [line for line in capsys.readouterr().out.splitlines() if "final" in line]
-    assert [line for line in out.splitlines() if "final" in line] == want
-    ref, got = serial.load_params(tmp_path / "serial.npz"), serial.load_params(saved)
-    assert sorted(got) == sorted(ref)
-    for name, value in got.items():
-        np.testing.assert_allclose(value, ref[name], rtol=1e-10, atol=1e-14, err_msg=name)
+    assert_matches_serial(out, MLP, saved, tmp_path, capsys)
     assert "schedule interleaved with 2 chunks per stage, 4 micro-batches" in out, out
     assert re.search(r"piece 0 \(rank 0, chunk 0\): fc0", out), out
     assert re.search(r"piece 3 \(rank 1, chunk 1\): ", out), out

@@ -67,19 +67,18 @@ def rel_err(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
 
 
-def check(task, ref_losses, ref_params, schedule, m, partition=None, gather=False):
-    name = f"{task.kind} {schedule} m={m} partition={partition}"
-    counts, _ = PP.plan_stages(task, P, m, partition)
-    bounds = PP.stage_bounds(counts)[r]
-    stage = PP.build_stage(task.build_model(), bounds, task.args.seed)
-    opt = serial.make_optimizer(task.args, stage.parameters())
-    instructions = SCHEDULES[schedule](P, r, m)
+def train_and_compare(name, task, held, instructions, m, ref_losses, ref_params):
+    """STEPS steps of this rank's part of the pipeline (``held``: one stage module, or the list
+    of its chunks): every step's loss and, after them, every parameter equal the serial
+    trainer's. Returns the most activation bytes the part stashed at once."""
+    pieces = held if isinstance(held, list) else [held]
+    opt = serial.make_optimizer(task.args, [p for piece in pieces for p in piece.parameters()])
     micro_rows = C.split_rows(task.args.batch_size, m)
     peak = 0
     for step in range(STEPS):
         x, y = task.to_device(*task.batch(step))
         result = PP.run_pipeline(
-            stage, instructions, pp, micro_rows,
+            held, instructions, pp, micro_rows,
             inputs=PP.micro_batches(x, m) if r == 0 else None,
             targets=PP.micro_batches(y, m) if r == P - 1 else None,
             loss_fn=task.loss_fn, normalizer=y.size, optimizer=opt)
@@ -87,21 +86,38 @@ def check(task, ref_losses, ref_params, schedule, m, partition=None, gather=Fals
         if r == P - 1:
             assert abs(result.loss - ref_losses[step]) <= 1e-10 * abs(ref_losses[step]), \
                 (name, step, result.loss, ref_losses[step])
-        assert stage.cached_bytes() == 0, (name, "activations left in the cache")
-    for pname, p in stage.named_parameters():
-        err = rel_err(B.to_numpy(p.data), ref_params[pname])
-        assert err <= 1e-10, f"{name}: rank {r} {pname} relative error {err:.2e}"
+        assert sum(piece.cached_bytes() for piece in pieces) == 0, \
+            (name, "activations left in the cache")
+    for piece in pieces:
+        for pname, p in piece.named_parameters():
+            err = rel_err(B.to_numpy(p.data), ref_params[pname])
+            assert err <= 1e-10, f"{name}: rank {r} {pname} relative error {err:.2e}"
+    return peak
+
+
+def check_gathered(name, held, ref_params):
+    """The whole model gathered to rank 0 is the serial one, under the serial names, in order."""
+    full = PP.gather_params(held, pp)
+    if r == 0:
+        assert list(full) == list(ref_params), (list(full), list(ref_params))
+        for pname, value in full.items():
+            assert rel_err(value, ref_params[pname]) <= 1e-10, (name, pname)
+    else:
+        assert full is None
+
+
+def check(task, ref_losses, ref_params, schedule, m, partition=None, gather=False):
+    name = f"{task.kind} {schedule} m={m} partition={partition}"
+    counts, _ = PP.plan_stages(task, P, m, partition)
+    bounds = PP.stage_bounds(counts)[r]
+    stage = PP.build_stage(task.build_model(), bounds, task.args.seed)
+    instructions = SCHEDULES[schedule](P, r, m)
+    peak = train_and_compare(name, task, stage, instructions, m, ref_losses, ref_params)
     if task.args.batch_size % m == 0:  # equal micro-batches: the prediction is a product
         want = peak_in_flight(instructions) * stash_of_one_micro_batch(task, bounds, m)
         assert peak == want, f"{name}: rank {r} stashed {peak} bytes, schedule predicts {want}"
     if gather:
-        full = PP.gather_params(stage, pp)
-        if r == 0:
-            assert list(full) == list(ref_params), (list(full), list(ref_params))
-            for pname, value in full.items():
-                assert rel_err(value, ref_params[pname]) <= 1e-10, (name, pname)
-        else:
-            assert full is None
+        check_gathered(name, stage, ref_params)
 
 
 def check_interleaved(task, ref_losses, ref_params, m, v=2):
@@ -111,26 +127,8 @@ def check_interleaved(task, ref_losses, ref_params, m, v=2):
     bounds = PP.stage_bounds(counts)
     mine = [bounds[c * P + r] for c in range(v)]
     chunks = [PP.build_stage(task.build_model(), b, task.args.seed) for b in mine]
-    opt = serial.make_optimizer(task.args, [p for ch in chunks for p in ch.parameters()])
     instructions = interleaved(P, r, m, v)
-    micro_rows = C.split_rows(task.args.batch_size, m)
-    peak = 0
-    for step in range(STEPS):
-        x, y = task.to_device(*task.batch(step))
-        result = PP.run_pipeline(
-            chunks, instructions, pp, micro_rows,
-            inputs=PP.micro_batches(x, m) if r == 0 else None,
-            targets=PP.micro_batches(y, m) if r == P - 1 else None,
-            loss_fn=task.loss_fn, normalizer=y.size, optimizer=opt)
-        peak = max(peak, result.peak_stash_bytes)
-        if r == P - 1:
-            assert abs(result.loss - ref_losses[step]) <= 1e-10 * abs(ref_losses[step]), \
-                (name, step, result.loss, ref_losses[step])
-        assert sum(ch.cached_bytes() for ch in chunks) == 0, (name, "activations left")
-    for ch in chunks:
-        for pname, p in ch.named_parameters():
-            err = rel_err(B.to_numpy(p.data), ref_params[pname])
-            assert err <= 1e-10, f"{name}: rank {r} {pname} relative error {err:.2e}"
+    peak = train_and_compare(name, task, chunks, instructions, m, ref_losses, ref_params)
     if task.args.batch_size % m == 0:  # the most bytes the chunks in flight stash at once
         one = [stash_of_one_micro_batch(task, b, m) for b in mine]
         held, want = 0, 0
@@ -138,13 +136,7 @@ def check_interleaved(task, ref_losses, ref_params, m, v=2):
             held += one[ins.chunk] * (isinstance(ins, Forward) - isinstance(ins, Backward))
             want = max(want, held)
         assert peak == want > 0, f"{name}: rank {r} stashed {peak} bytes, schedule predicts {want}"
-    full = PP.gather_params(chunks, pp)
-    if r == 0:
-        assert list(full) == list(ref_params), (list(full), list(ref_params))
-        for pname, value in full.items():
-            assert rel_err(value, ref_params[pname]) <= 1e-10, (name, pname)
-    else:
-        assert full is None
+    check_gathered(name, chunks, ref_params)
 
 
 def check_partition():
