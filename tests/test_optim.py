@@ -1,0 +1,92 @@
+"""Optimizers: each update against its formula written out here, and the blocked update
+(cache-sized pieces) bitwise equal to one operation over the whole array."""
+
+import numpy as np
+import pytest
+
+from mpipar import backend as B
+from mpipar import nn, optim
+
+
+def params(seed, dtype):
+    B.use("numpy", dtype)
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, shape in enumerate([(13, 11), (5,), (3, 4, 7)]):
+        p = nn.Parameter(*shape)
+        p.name = f"p{i}"
+        p.set(rng.standard_normal(shape))
+        out.append(p)
+    return out
+
+
+def run(make, steps=3, seed=0, dtype="float64"):
+    ps = params(seed, dtype)
+    opt = make(ps)
+    rng = np.random.default_rng(seed + 1)
+    grads = [[rng.standard_normal(p.shape) for p in ps] for _ in range(steps)]
+    for step in grads:
+        for p, g in zip(ps, step):
+            p.grad[...] = g
+        opt.step()
+    return [p.data.copy() for p in ps], grads
+
+
+MAKERS = {
+    "sgd": lambda ps: optim.SGD(ps, lr=0.1),
+    "sgd momentum + decay": lambda ps: optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
+    "adam": lambda ps: optim.Adam(ps, lr=0.01, weight_decay=0.01),
+    "adamw": lambda ps: optim.Adam(ps, lr=0.01, weight_decay=0.01, decoupled=True),
+}
+
+
+@pytest.mark.parametrize("name", MAKERS)
+def test_blocked_update_is_bitwise_the_whole_array_update(name, monkeypatch):
+    monkeypatch.setattr(optim, "BLOCK", 10**9)
+    whole, _ = run(MAKERS[name], dtype="float32")
+    monkeypatch.setattr(optim, "BLOCK", 7)  # blocks that split every parameter unevenly
+    blocked, _ = run(MAKERS[name], dtype="float32")
+    for a, b in zip(whole, blocked):
+        assert a.tobytes() == b.tobytes()
+
+
+def test_sgd_momentum_matches_its_formula():
+    got, grads = run(MAKERS["sgd momentum + decay"])
+    for i, w0 in enumerate(p.data for p in params(0, "float64")):
+        w, v = w0.copy(), np.zeros_like(w0)
+        for step in grads:
+            v = 0.9 * v + (step[i] + 0.01 * w)
+            w = w - 0.1 * v
+        np.testing.assert_allclose(got[i], w, rtol=1e-13)
+
+
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_adam_matches_its_formula(decoupled):
+    got, grads = run(MAKERS["adamw" if decoupled else "adam"])
+    for i, w0 in enumerate(p.data for p in params(0, "float64")):
+        w, m, v = w0.copy(), np.zeros_like(w0), np.zeros_like(w0)
+        for t, step in enumerate(grads, start=1):
+            g = step[i] if decoupled else step[i] + 0.01 * w
+            m = 0.9 * m + 0.1 * g
+            v = 0.999 * v + 0.001 * g * g
+            if decoupled:
+                w = w - 0.01 * 0.01 * w
+            w = w - 0.01 * (m / (1 - 0.9**t)) / (np.sqrt(v / (1 - 0.999**t)) + 1e-8)
+        np.testing.assert_allclose(got[i], w, rtol=1e-12)
+
+
+def test_state_bytes_count_the_state_arrays():
+    ps = params(0, "float32")
+    n = sum(p.size for p in ps)
+    for make, per_value in ((MAKERS["sgd"], 0), (MAKERS["sgd momentum + decay"], 4),
+                            (MAKERS["adam"], 8)):
+        opt = make(ps)
+        opt.step()
+        assert opt.state_bytes() == per_value * n
+
+
+def test_a_strided_parameter_is_refused_not_silently_skipped():
+    (p, *_) = params(0, "float64")
+    p.data = p.data.T  # a transposed view: a reshape would copy and the update would be lost
+    with pytest.raises(ValueError, match="C-contiguous"):
+        optim.SGD([p], lr=0.1).step()
