@@ -1,12 +1,19 @@
-"""The FLOP rate one rank sustains while P ranks compute at once (P = 1, 2, 4).
+"""The FLOP rate one rank sustains while k of P ranks compute at once and the others wait.
 
     python -m mpipar.bench flops
 
 Two cores do not give twice one core's FLOP rate when both are busy (shared caches, memory
-bandwidth, clock boost), and four ranks on two cores get about half a core each. The cost model
-(:mod:`mpipar.simulate`) scales its FLOP rate by ``rate(P) / rate(1)`` measured here, in the
-same run as the benchmarks it predicts. Each rank times float32 matrix products of the sizes the
-benchmarks use, all ranks starting together after a barrier.
+bandwidth, clock boost), and four ranks on two cores get about half a core each. When only
+some of the ranks compute (a pipeline's warm-up, a stage that waits for its input), the others
+wait in :func:`mpipar.comm.wait`: with more ranks than cores they sleep between polls, and each
+wake-up can take a core from a rank that computes (two computing and two waiting ranks on two
+cores: about 0.8 of a core each, not 1). The cost model (:mod:`mpipar.simulate`) scales its
+FLOP rate by ``share = rate(k of P) / rate(1 of 1)`` measured here, in the same run as the
+benchmarks it predicts: for P = 1 and 2 with every rank computing, and for P = 4 with
+k = 1, 2, 3, 4. Each computing rank times float32 matrix products of the sizes the benchmarks
+use, all starting together after a barrier; a waiting rank waits for a message rank 0 sends
+when it is done. The share is the mean over the computing ranks (the scheduler may favour
+one: their total is what a replay that shares cores needs).
 """
 
 import argparse
@@ -16,9 +23,10 @@ from mpipar.bench.common import emit, environment, run_ranks, write_csv
 
 N = 512  # float32 (N, N) @ (N, N): 0.27 GFLOP, a few ms on one core
 RANKS = (1, 2, 4)
+PARTIAL = 4  # with this many ranks, measure every number of computing ranks
 
 
-def worker(repeats):
+def worker(repeats, computing):
     import numpy as np
     from mpi4py import MPI
 
@@ -29,24 +37,34 @@ def worker(repeats):
     rng = np.random.default_rng(w.rank)
     a = rng.standard_normal((N, N)).astype(np.float32)
     b = rng.standard_normal((N, N)).astype(np.float32)
+    done = np.zeros(1)
     rates = []
     for _ in range(repeats):
         w.Barrier()
-        t0 = MPI.Wtime()
-        for _ in range(8):
-            a @ b
-        rates.append(8 * 2 * N**3 / (MPI.Wtime() - t0))
-    rate = statistics.median(rates)
-    slowest = w.mpi.allreduce(rate, op=MPI.MIN)  # a float, not an array
+        if w.rank < computing:
+            t0 = MPI.Wtime()
+            for _ in range(8):
+                a @ b
+            rates.append(8 * 2 * N**3 / (MPI.Wtime() - t0))
+            if w.rank == 0:  # the waiting ranks wait until rank 0 is done
+                for r in range(computing, w.size):
+                    w.Send(done, r)
+        else:
+            w.Recv(done, 0)
+    mine = [statistics.median(rates)] if rates else []
+    rates = [r for per_rank in w.mpi.gather(mine) or [] for r in per_rank]  # floats: pickled
     if w.rank == 0:
-        emit(dict(ranks=w.size, gflops_per_rank=slowest / 1e9))
+        emit(dict(ranks=w.size, computing=computing,
+                  gflops_per_rank=statistics.mean(rates) / 1e9))
 
 
 def measure(quick=False):
-    """{ranks: GFLOP/s one rank sustains while that many compute}."""
+    """{(ranks, computing): GFLOP/s one computing rank sustains}."""
     repeats = 5 if quick else 15
-    return {p: run_ranks(p, "mpipar.bench.flops", ["--worker", "--repeats", repeats])[0]
-            ["gflops_per_rank"] for p in RANKS}
+    runs = [(p, p) for p in RANKS] + [(PARTIAL, k) for k in range(1, PARTIAL)]
+    return {(p, k): run_ranks(p, "mpipar.bench.flops", ["--worker", "--repeats", repeats,
+                                                        "--computing", k])[0]["gflops_per_rank"]
+            for p, k in runs}
 
 
 def main(argv=None):
@@ -54,17 +72,19 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--repeats", type=int, default=15, help=argparse.SUPPRESS)
+    ap.add_argument("--computing", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        worker(args.repeats)
+        worker(args.repeats, args.computing)
         return
     rates = measure(args.quick)
-    rows = [dict(environment(p), bench="flops", matmul=f"{N}x{N}x{N} float32",
-                 gflops_per_rank=round(r, 3), share_of_one=round(r / rates[1], 4))
-            for p, r in rates.items()]
+    rows = [dict(environment(p), bench="flops", matmul=f"{N}x{N}x{N} float32", computing=k,
+                 gflops_per_rank=round(r, 3), share_of_one=round(r / rates[(1, 1)], 4))
+            for (p, k), r in sorted(rates.items())]
     path = write_csv("flops.csv", rows)
     for row in rows:
-        print(f"{row['ranks']} ranks at once: {row['gflops_per_rank']:7.2f} GFLOP/s per rank "
+        print(f"{row['computing']} of {row['ranks']} ranks computing: "
+              f"{row['gflops_per_rank']:7.2f} GFLOP/s per computing rank "
               f"({row['share_of_one']:.2f} of one alone)")
     print(f"-> {path}")
 
