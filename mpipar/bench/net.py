@@ -19,6 +19,15 @@ three algorithms, measured and predicted by the alpha-beta(-gamma) formulas of R
      (MPICH switches from the first to a bandwidth-optimal one as n grows);
    - ring: :func:`mpipar.data_parallel.ring_allreduce`, written from Sendrecv; predicted by the
      ring formula.
+4. Allreduce between computations on 4 ranks, as tensor parallelism calls it ("lockstep"):
+   every rank multiplies two (256, 256) matrices, then allreduces n bytes, again and again.
+   With more ranks than cores, ranks take turns on the cores: the ones that finish their
+   multiply first sleep in :func:`mpipar.comm.wait` while the others compute, and each step of
+   the allreduce waits for a partner to be woken up. What an iteration takes beyond the
+   multiply alone (timed first, without collectives, while every rank multiplies) is what a
+   collective costs ranks that share cores; the cost model fits its alpha and beta for such
+   runs to these times (:func:`mpipar.report.oversubscribed_alpha_beta`). In back-to-back
+   allreduces (3.) every rank is already awake and this cost hardly shows.
 
 Other benchmarks call :func:`measure_alpha_beta` (and :func:`measure_gamma`, :func:`predict`)
 to put an alpha-beta prediction beside their own measured communication time.
@@ -154,6 +163,41 @@ def worker_allreduce(comm, quick):
                       "seconds": statistics.median(samples[algo])})
 
 
+LOCKSTEP_SIZES = [8 * 8**k for k in range(3, 7)]  # 4 KiB .. 2 MiB
+LOCKSTEP_N = 256  # (N, N) float32 matrices: about 0.2 ms per product on one core
+
+
+def worker_lockstep(comm, quick):
+    from mpipar.bench.common import emit
+
+    iters, repeats = (20, 3) if quick else (40, 5)
+    a = np.random.default_rng(comm.rank).standard_normal((LOCKSTEP_N,) * 2).astype(np.float32)
+
+    def compute():
+        (a @ a) @ a
+
+    def run(n):  # seconds per iteration, the median over repeats of the slowest rank's mean
+        buf = np.zeros(n // 8) if n else None
+        samples = []
+        for rep in range(repeats + 1):
+            comm.Barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                compute()
+                if buf is not None:
+                    comm.Allreduce(buf)
+            if rep:
+                samples.append(_slowest(comm, (time.perf_counter() - t0) / iters))
+        return statistics.median(samples)
+
+    alone = run(0)  # every rank multiplies, nobody waits for anybody
+    for n in LOCKSTEP_SIZES:
+        t = run(n)
+        if comm.rank == 0:
+            emit({"ranks": comm.size, "algo": "mpi", "bytes": n, "seconds": t - alone,
+                  "compute_seconds": alone})
+
+
 def worker(kind, quick):
     from mpipar import comm as C
     from mpipar.trace import TRACE
@@ -161,7 +205,8 @@ def worker(kind, quick):
     C.install_excepthook()
     TRACE.enabled = False  # thousands of calls: keep no timeline
     w = C.world()
-    (worker_pingpong if kind == "pingpong" else worker_allreduce)(w, quick)
+    {"pingpong": worker_pingpong, "allreduce": worker_allreduce,
+     "lockstep": worker_lockstep}[kind](w, quick)
 
 
 # ----------------------------------------------------------------------------- driver
@@ -203,7 +248,8 @@ def plot(ping, alpha, beta, gamma, rows, path):
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m mpipar.bench net")
     ap.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
-    ap.add_argument("--worker", choices=["pingpong", "allreduce"], help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=["pingpong", "allreduce", "lockstep"],
+                    help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         worker(args.worker, args.quick)
@@ -238,6 +284,17 @@ def main(argv=None):
                                  alpha=alpha, beta=beta, gamma=gamma, loadavg_1min=round(load, 2)))
                 line += f"{m['seconds'] * 1e6:12.1f} {pred * 1e6:8.1f} "
             print(line + ("  (oversubscribed)" if p > cores() else ""))
+    lockstep = run_ranks(4, "mpipar.bench.net",
+                         ["--worker", "lockstep"] + (["--quick"] * args.quick))
+    print("allreduce between multiplies on 4 ranks (lockstep): cost beyond the multiply")
+    for m in lockstep:
+        pred = predict("mpi", 4, m["bytes"], alpha, beta, gamma)
+        rows.append(dict(environment(ranks=4), bench="net", kind="allreduce-lockstep",
+                         algo="mpi", bytes=m["bytes"], seconds=m["seconds"],
+                         predicted_seconds=pred, alpha=alpha, beta=beta, gamma=gamma,
+                         loadavg_1min=round(load, 2)))
+        print(f"{4:5d} {m['bytes']:10d} {m['seconds'] * 1e6:12.1f} {pred * 1e6:8.1f}"
+              + ("  (oversubscribed)" if 4 > cores() else ""))
     path = write_csv("net.csv", rows)
     png = plot(ping, alpha, beta, gamma, measured, PLOTS / "net_allreduce.png")
     print(f"-> {path}, {png}")
