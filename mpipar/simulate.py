@@ -20,8 +20,11 @@ device, and alpha (seconds per message) and beta (seconds per byte) of its links
 - memory per rank: parameters, gradients, optimizer state (Adam: 2 values per parameter,
   divided by d with ZeRO-1) and the activations of the most micro-batches a stage stashes.
 
-What it leaves out: overlap of communication with compute, the optimizer's time, kernel
-efficiency beyond "a FLOP rate plus a fixed cost per layer", and contention of the links.
+- ranks that share cores (more ranks than cores, as on a small build machine): given a table
+  {k: speed of a rank while k compute}, the replay shares the cores among the stages that
+  compute at each moment (:func:`shared_replay`).
+What it leaves out: overlap of communication with compute, kernel efficiency beyond "a FLOP
+rate plus a fixed cost per layer", and contention of the links.
 """
 
 import argparse
@@ -158,13 +161,51 @@ def layer_table(spec, micro_rows, tp=1, dtype_bytes=2, recompute=False):
             for (name, layer), f in zip(model.layers, flops)]
 
 
+def shared_replay(lists, fwd, bwd, extra_fwd, extra_bwd, message, share, group=1, rounds=20):
+    """Replay a pipeline schedule on ranks that share cores (processor sharing).
+
+    ``share[k]``: the speed of a computing rank, relative to one rank alone, while k ranks
+    compute (measured by ``python -m mpipar.bench flops``: with more ranks than cores it falls
+    with k; ranks that wait cost a little too). A stage is ``group`` ranks (its data- and
+    tensor-parallel peers) that compute together. Which stages compute at once depends on the
+    timing, and the timing on how fast they compute, so this iterates: replay, find for each
+    forward and backward the mean of 1/share over its span, scale its compute time ``fwd[s]``
+    or ``bwd[s]`` by that (``extra_*``, its collectives, are not scaled), replay again; halfway
+    steps (damping) until the slowdowns settle."""
+    top = max(share)
+    slow = {}  # (stage, micro, "F" or "B") -> slowdown of that compute
+
+    def costs(kind, base, extra):
+        return lambda s, k: base[s] * slow.get((s, k, kind), 1 / share[group]) + extra[s]
+
+    for _ in range(rounds):
+        timeline = schedules.simulate(lists, costs("F", fwd, extra_fwd),
+                                      costs("B", bwd, extra_bwd), message)
+        spans = [(t0, t1, (s, ins.micro, ins.code)) for s, events in enumerate(timeline)
+                 for ins, t0, t1 in events if ins.code in ("F", "B") and t1 > t0]
+        edges = sorted({t for t0, t1, _ in spans for t in (t0, t1)})
+        # 1/share for each interval between consecutive span edges
+        pieces = []
+        for a, b in zip(edges, edges[1:]):
+            k = group * sum(t0 <= a and b <= t1 for t0, t1, _ in spans)
+            pieces.append((a, b, 1 / share[min(max(k, 1), top)]))
+        new = {}
+        for t0, t1, key in spans:
+            mean = sum((b - a) * inv for a, b, inv in pieces if t0 <= a and b <= t1) / (t1 - t0)
+            new[key] = 0.5 * slow.get(key, 1 / share[group]) + 0.5 * mean
+        slow = new
+    return timeline
+
+
 def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f1b",
             dtype_bytes=2, zero=0, recompute=False, compute_share=1.0):
     """Predicted step time (and its parts) and memory per rank.
 
     ``recompute``: keep only each block's input and recompute its forward in backward (the
     backward then costs 3 forwards instead of 2). ``compute_share`` scales the FLOP rate when
-    ranks share a core (oversubscription)."""
+    ranks share a core (oversubscription): one number for every moment, or a table
+    {k: share while k ranks compute}, for which the pipeline is replayed with the cores shared
+    among the stages that compute at each moment (:func:`shared_replay`)."""
     micro_rows = global_batch / (dp * n_micro)
     if micro_rows < 1:
         raise ValueError(f"global batch {global_batch} is too small for dp={dp} x m={n_micro}")
@@ -172,30 +213,41 @@ def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f
     table = layer_table(spec, rows, tp, dtype_bytes, recompute)
     scale = micro_rows / rows
     counts = _partition([row["flops"] for row in table], pp)
-    rate = hw.flops * compute_share
+    table_share = compute_share if isinstance(compute_share, dict) else None
+    if table_share:  # everything outside the pipeline replay runs with every rank computing
+        compute_share = table_share[min(dp * tp * pp, max(table_share))]
+    rate = hw.flops * (1.0 if table_share else compute_share)
     act_bytes = spec.message_bytes(micro_rows, dtype_bytes)  # one activation or its gradient
     allreduce = ring_allreduce_time(act_bytes, tp, hw.tp_alpha, hw.tp_beta)
     backward_factor = 3.0 if recompute else 2.0
 
-    fwd, bwd, stage_params, stage_blocks, stage_stash = [], [], [], [], []
+    fwd, bwd, comm, stage_params, stage_blocks, stage_stash = [], [], [], [], [], []
     start = 0
     for c in counts:
         layers = table[start:start + c]
         start += c
         flops = sum(r["flops"] for r in layers) * scale / tp
         blocks = sum(r["block"] for r in layers)
-        # 2 allreduces per block forward and 2 backward (Megatron-LM, Sec. 3)
         fixed = c * hw.layer_overhead
-        fwd.append(fixed + flops / rate + 2 * blocks * allreduce)
-        bwd.append(2 * fixed + backward_factor * flops / rate + 2 * blocks * allreduce)
+        fwd.append(fixed + flops / rate)
+        bwd.append(2 * fixed + backward_factor * flops / rate)
+        comm.append(2 * blocks * allreduce)  # 2 allreduces per block forward, 2 backward
         stage_params.append(sum(r["params"] for r in layers) / tp)
         stage_blocks.append(blocks)
         stage_stash.append(sum(r["stash"] for r in layers) * scale)
 
     message = hw.net_alpha + act_bytes * hw.net_beta if pp > 1 else 0.0
     lists = schedules.schedule(schedule, pp, n_micro)
-    timeline = schedules.simulate(lists, forward_cost=fwd, backward_cost=bwd,
-                                  message_cost=message)
+    if table_share:
+        timeline = shared_replay(lists, fwd, bwd, comm, comm, message, table_share, dp * tp)
+        fwd = [f / compute_share for f in fwd]  # for the split below: all ranks computing
+        bwd = [b / compute_share for b in bwd]
+    else:
+        timeline = schedules.simulate(lists, forward_cost=[f + c for f, c in zip(fwd, comm)],
+                                      backward_cost=[b + c for b, c in zip(bwd, comm)],
+                                      message_cost=message)
+    fwd = [f + c for f, c in zip(fwd, comm)]
+    bwd = [b + c for b, c in zip(bwd, comm)]
     pipeline_time = max(end for events in timeline for _, _, end in events)
     busiest = int(np.argmax([n_micro * (f + b) for f, b in zip(fwd, bwd)]))
 

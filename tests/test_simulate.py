@@ -81,3 +81,51 @@ def test_mixed_precision_adam_holds_16_bytes_per_parameter():
     assert state == pytest.approx(16 * n)
     zero = S.predict(spec, HW, dp=4, global_batch=16, dtype_bytes=2, zero=1)
     assert zero["mem_optimizer_bytes"] == pytest.approx(12 * n / 4)
+
+
+def _end(timeline):
+    return max(end for events in timeline for _, _, end in events)
+
+
+@pytest.mark.parametrize("name", ["naive", "gpipe", "1f1b"])
+def test_shared_replay_with_a_core_per_rank_is_the_plain_replay(name):
+    lists = schedules.schedule(name, 3, 4)
+    plain = schedules.simulate(lists, [1.0, 1.5, 1.0], [2.0, 3.0, 2.0], 0.25)
+    shared = S.shared_replay(lists, [1.0, 1.5, 1.0], [2.0, 3.0, 2.0], [0.0] * 3, [0.0] * 3,
+                             0.25, {1: 1.0, 2: 1.0, 3: 1.0})
+    assert _end(shared) == pytest.approx(_end(plain), rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ["naive", "gpipe", "1f1b"])
+def test_shared_replay_on_one_core_serialises_the_work(name):
+    """One core for two stages: whatever the schedule, the step takes all the compute one
+    after the other (naive never computes on both stages at once, so it is unchanged)."""
+    lists = schedules.schedule(name, 2, 4)
+    one_core = {1: 1.0, 2: 0.5}
+    shared = S.shared_replay(lists, [1.0, 1.0], [2.0, 2.0], [0.0, 0.0], [0.0, 0.0], 0.0,
+                             one_core)
+    assert _end(shared) == pytest.approx(2 * 4 * (1.0 + 2.0), rel=0.02)
+    plain = schedules.simulate(lists, 1.0, 2.0)
+    if name != "naive":
+        assert _end(plain) < 0.7 * _end(shared)
+
+
+def test_shared_replay_counts_a_stage_as_its_group_of_ranks():
+    """Stages of 2 ranks each (say DP 2): 2 stages computing at once are 4 ranks."""
+    lists = schedules.schedule("gpipe", 2, 4)
+    share = {1: 1.0, 2: 1.0, 3: 2 / 3, 4: 0.5}  # two cores
+    shared = S.shared_replay(lists, [1.0, 1.0], [2.0, 2.0], [0.0, 0.0], [0.0, 0.0], 0.0,
+                             share, group=2)
+    assert _end(shared) == pytest.approx(24.0, rel=0.02)  # as the one-core case above
+
+
+def test_predict_with_a_share_table_slows_only_what_runs_at_once():
+    spec = S.MLPSpec((256,) * 9)
+    hw = S.this_machine(1e10, 1e-6, 1e-10)
+    kw = dict(pp=4, global_batch=64, n_micro=1, schedule="naive", dtype_bytes=4)
+    alone = S.predict(spec, hw, **kw)["step_s"]
+    table = {1: 1.0, 2: 1.0, 3: 2 / 3, 4: 0.5}
+    # naive, one micro-batch: one stage computes at a time, so sharing costs nothing
+    assert S.predict(spec, hw, compute_share=table, **kw)["step_s"] == pytest.approx(alone)
+    # an even share of 0.5 at every moment would double it
+    assert S.predict(spec, hw, compute_share=0.5, **kw)["step_s"] > 1.9 * alone
