@@ -147,32 +147,60 @@ def stage_costs(n_layers_per_stage, rows, repeats=9):
         sum(stage.layer_flops(x.shape))
 
 
+def update_cost(model, momentum=0.9, repeats=9):
+    """Seconds per parameter of ``model``'s zero_grad + SGD update (with ``momentum``, as the
+    benchmark's trainer), timed here (float32): work that grows with the parameters, whatever
+    the batch, and that every replica does whole."""
+    from mpipar import backend as B
+    from mpipar import optim
+    from mpipar.bench.common import median_time
+
+    B.use("numpy", "float32")
+    model.init(0)
+    opt = optim.SGD(model.parameters(), lr=1e-4, momentum=momentum)
+
+    def update():
+        model.zero_grad()
+        opt.step()
+
+    return median_time(update, repeats) / sum(p.size for p in model.parameters())
+
+
 def oversubscribed_alpha_beta():
-    """alpha and beta that a 4-rank job on fewer cores really sees: fitted from the measured
-    4-rank MPI Allreduce times of plots/net.csv with the ring formula 6 alpha + 1.5 n beta."""
+    """alpha and beta that a 4-rank job on fewer cores really sees: fitted with the ring
+    formula 6 alpha + 1.5 n beta to what an MPI Allreduce costs between computations there
+    (the "allreduce-lockstep" rows of plots/net.csv: ranks take turns on the cores, and each
+    step of the collective waits for a partner to be woken)."""
     from mpipar.bench.net import fit_alpha_beta
 
-    rows = [r for r in read_csv("net.csv") if r["kind"] == "allreduce" and r["algo"] == "mpi"
-            and r["ranks"] == "4"]
+    rows = [r for r in read_csv("net.csv") if r["kind"] == "allreduce-lockstep"]
     a, b = fit_alpha_beta([int(r["bytes"]) for r in rows], [_f(r, "seconds") for r in rows])
-    return a / 6, b / 1.5
+    return a / 6, max(b, 0.0) / 1.5
 
 
 def validation_rows():
     """Measured step time of every benchmarked configuration beside the cost model's.
 
-    Everything the model is given is measured in the same run: the FLOP rate and a fixed cost
-    per step from one-rank step times of the benchmark's own model at several sizes
-    (:func:`fit_compute`; where a benchmark ran one size, the rate alone), scaled by
-    plots/flops.csv for P ranks computing at once. The fixed cost is the optimizer update
-    where the batch grows (pipeline: it scales with the parameters) and per-layer Python
-    overhead where the width grows (tensor parallel: it does not divide). alpha and beta come
-    from the ping-pong, or, for runs with more ranks than cores, from the 4-rank allreduce
-    times (:func:`oversubscribed_alpha_beta`)."""
+    Everything the model is given is measured in the same run: the FLOP rate from one-rank
+    step times of the benchmark's own model (tensor parallel: with a fixed cost per layer,
+    :func:`fit_compute`, fitted over the sizes; data and pipeline parallel: less the
+    optimizer update, :func:`update_cost`, which every replica or stage does whole), scaled by
+    plots/flops.csv for the ranks computing at once: every rank where they all compute
+    together, and, with more ranks than cores, by how many compute at each moment of the
+    pipeline replay (:func:`mpipar.simulate.shared_replay`). alpha and beta come from the
+    ping-pong, or, for runs with more ranks than cores, from allreduces between computations
+    on 4 ranks (:func:`oversubscribed_alpha_beta`)."""
     from mpipar import simulate as S
     from mpipar.bench.net import predict as allreduce_time
 
-    share = {int(r["ranks"]): _f(r, "share_of_one") for r in read_csv("flops.csv")}
+    flops = read_csv("flops.csv")
+    share = {int(r["ranks"]): _f(r, "share_of_one") for r in flops
+             if r["computing"] == r["ranks"]}  # every rank computing
+    shared = {}  # with more ranks than cores: the share by number of ranks computing
+    for p in share:
+        table = {int(r["computing"]): _f(r, "share_of_one") for r in flops
+                 if int(r["ranks"]) == p}
+        shared[p] = table if p > cores() and len(table) == p else share[p]
     over_alpha, over_beta = oversubscribed_alpha_beta()
     out = []
 
@@ -183,20 +211,27 @@ def validation_rows():
     dp = read_csv("dp.csv")
     algo = {"master": "master", "allreduce": "mpi", "ring": "ring", "zero1": "zero",
             "allreduce+overlap": "mpi"}
+    t_param = {}  # MLP widths -> seconds per parameter of zero_grad + the SGD update
     for r in dp:
-        sizes = [int(v) for v in r["model"].split()[1].split(",")]
-        spec, batch = S.MLPSpec(tuple(sizes)), int(r["batch"])
+        sizes = tuple(int(v) for v in r["model"].split()[1].split(","))
+        spec, batch, p = S.MLPSpec(sizes), int(r["batch"]), int(r["ranks"])
+        if sizes not in t_param:
+            t_param[sizes] = update_cost(spec.model())
         one = next(x for x in dp if x["mode"] == r["mode"] and x["ranks"] == "1")
+        # every replica zeroes its gradients and updates all its parameters (ZeRO-1: 1/P of
+        # them); the rest of the one-rank step is the forward and backward, which P divides
+        n_params = int(r["params"])
+        update_one = n_params * t_param[sizes]
         # backward ~ 2 forwards; the factor cancels, since the rate is measured on this model
         flops = 3 * sum(t["flops"] for t in S.layer_table(spec, batch))
-        rate = flops / (_f(one, "step_ms") / 1e3)
-        p = int(r["ranks"])
+        rate = flops / (_f(one, "step_ms") / 1e3 - update_one)
         alpha, beta = links(p, _f(r, "alpha"), _f(r, "beta"))
-        hw = S.this_machine(rate, alpha, beta)
+        hw = S.this_machine(rate, alpha, beta, update_per_param=t_param[sizes])
         pred = S.predict(spec, hw, dp=p, global_batch=batch, dtype_bytes=4,
-                         compute_share=share[p])["compute_s"]
-        pred += allreduce_time(algo[r["mode"]], p, int(r["params"]) * 4, alpha, beta,
-                               _f(r, "gamma"))
+                         compute_share=shared[p])["compute_s"]
+        if r["mode"] == "zero1":  # each rank updates 1/P of the parameters
+            pred -= update_one * (1 - 1 / p) / share[p]
+        pred += allreduce_time(algo[r["mode"]], p, n_params * 4, alpha, beta, _f(r, "gamma"))
         out.append(dict(bench="dp", config=f"{r['mode']}, P={p}", ranks=p,
                         measured_ms=_f(r, "step_ms"), predicted_ms=pred * 1e3))
 
@@ -209,16 +244,19 @@ def validation_rows():
         width = int(r["model"].split("Linear(")[1].split(",")[0])
         return S.MLPSpec(tuple([width] * (int(r["model"].split(" x ")[0]) + 1)))
 
-    # every stage holds the same layers: time one on a micro-batch's real shape
-    per_stage = int(pp[0]["model"].split(" x ")[0]) // int(pp[0]["ranks"])
-    t_micro, t_param, stage_flops = stage_costs(per_stage, int(pp[0]["rows_per_micro"]))
+    # every stage holds the same layers: one micro-batch through one stage is 1/P of the
+    # serial step on one micro-batch (m = 1, timed in the benchmark's run), less the update
+    serial_one = {int(r["ranks"]): _f(r, "serial_step_ms") / 1e3 for r in pp if r["m"] == "1"}
+    pp_param = update_cost(pp_spec(pp[0]).model(), momentum=0.0)  # the bench's plain SGD
     for r in pp:
         p, m, rows = int(r["ranks"]), int(r["m"]), int(r["rows_per_micro"])
         spec = pp_spec(r)
-        hw = S.this_machine(3 * stage_flops / t_micro, *links(p, alpha, beta),
-                            update_per_param=t_param)
+        table = S.layer_table(spec, rows)
+        t_micro = (serial_one[p] - sum(t["params"] for t in table) * pp_param) / p
+        hw = S.this_machine(3 * sum(t["flops"] for t in table) / p / t_micro,
+                            *links(p, alpha, beta), update_per_param=pp_param)
         pred = S.predict(spec, hw, pp=p, global_batch=rows * m, n_micro=m,
-                         schedule=r["schedule"], dtype_bytes=4, compute_share=share[p])
+                         schedule=r["schedule"], dtype_bytes=4, compute_share=shared[p])
         out.append(dict(bench="pp", config=f"{r['schedule']}, P={p}, m={m}", ranks=p,
                         measured_ms=_f(r, "step_ms"), predicted_ms=pred["step_s"] * 1e3))
 
@@ -253,7 +291,7 @@ def validation_rows():
                 (_f(r, "serial_step_ms") / 1e3)
             hw = S.this_machine(rate, *links(int(r["ranks"]), alpha, beta))
             pred = S.predict(spec, hw, int(r["dp"]), int(r["tp"]), int(r["pp"]), batch, m,
-                             r["schedule"], dtype_bytes=4, compute_share=share[int(r["ranks"])])
+                             r["schedule"], dtype_bytes=4, compute_share=shared[int(r["ranks"])])
             out.append(dict(bench="hybrid", config=r["layout"], ranks=int(r["ranks"]),
                             measured_ms=_f(r, "step_ms"), predicted_ms=pred["step_s"] * 1e3))
     for row in out:
@@ -375,7 +413,8 @@ def _pct(x):
 def write_report(scaling, validation, extrapolation, bench_times):
     """plots/REPORT.md: every plot with what it shows; every number read from a CSV."""
     eng = read_csv("engine.csv")[0]
-    flops = {int(r["ranks"]): r for r in read_csv("flops.csv")}
+    flops = {int(r["ranks"]): r for r in read_csv("flops.csv") if r["computing"] == r["ranks"]}
+    flops.update({f"{r['computing']} of 4": r for r in read_csv("flops.csv") if r["ranks"] == "4"})
     net = read_csv("net.csv")[0]
     dp = read_csv("dp.csv")
     pp = [r for r in read_csv("pp.csv") if r["stage"] == "0"]
@@ -395,6 +434,8 @@ def write_report(scaling, validation, extrapolation, bench_times):
     inside = [r for r in validation if abs(r["error"]) <= 0.2]
     fair = [r for r in validation if not r["oversubscribed"]]
     fair_inside = [r for r in fair if abs(r["error"]) <= 0.2]
+    over = [r for r in validation if r["oversubscribed"]]
+    over_inside = [r for r in over if abs(r["error"]) <= 0.2]
     worst = sorted(fair, key=lambda r: -abs(r["error"]))[:3]
     worst_over = sorted((r for r in validation if r["oversubscribed"]),
                         key=lambda r: -abs(r["error"]))[:2]
@@ -424,7 +465,9 @@ def write_report(scaling, validation, extrapolation, bench_times):
         "",
         f"While 2 ranks compute at once, each sustains {_pct(_f(flops[2], 'share_of_one'))} of "
         f"the FLOP rate of one rank alone; with 4 ranks on {env['cores']} cores, "
-        f"{_pct(_f(flops[4], 'share_of_one'))} (`flops.csv`). The cost model uses these shares.",
+        f"{_pct(_f(flops[4], 'share_of_one'))}; with 4 ranks of which 2 compute while 2 wait, "
+        f"{_pct(_f(flops['2 of 4'], 'share_of_one'))}: the waiting ranks' wake-ups take some "
+        "of the cores (`flops.csv`). The cost model uses these shares.",
         "",
         "## Speedup of each scheme",
         "",
@@ -506,15 +549,21 @@ def write_report(scaling, validation, extrapolation, bench_times):
         f"`python -m mpipar.simulate` predicts {len(fair_inside)} of the {len(fair)} "
         "benchmarked configurations that have a core per rank within 20% of their measured step "
         f"time, and {len(inside)} of all {len(validation)} (`model_validation.csv`). Its inputs "
-        "are measured in the same run: the FLOP rate from each benchmark's one-rank steps (the "
-        "pipeline's stage timed on its micro-batch's shape), scaled by `flops.csv` for ranks "
+        "are measured in the same run: the FLOP rate from each benchmark's one-rank steps (less "
+        "the optimizer update, which does not divide), scaled by `flops.csv` for the ranks "
         "computing at once; alpha and beta from the ping-pong; the pipeline's time comes from "
         "replaying the actual schedule. The largest misses with a core per rank: " + "; ".join(
             f"{r['bench']} {r['config']}: predicted {r['predicted_ms']:.2f} ms, measured "
             f"{r['measured_ms']:.2f} ms ({100 * r['error']:+.0f}%)" for r in worst) + ". "
-        "With more ranks than cores the model is weaker, because it shares the cores evenly "
-        "among all ranks at all times, while the operating system gives a whole core to a rank "
-        "whose partners wait, and delays messages to ranks it has descheduled; for example " +
+        f"With more ranks than cores, {len(over_inside)} of {len(over)} are within 20%. There "
+        "the model shares the cores among the ranks that compute at each moment of the "
+        "replayed schedule, at the speeds `flops.csv` measured for that many computing ranks, "
+        "and prices a collective at what an allreduce between computations costs there "
+        "(`net.csv`, lockstep rows: a millisecond or more, against microseconds with a core "
+        "per rank, since each step of it waits for a partner to be woken). It still "
+        "under-predicts where all four ranks compute in lockstep: the operating system "
+        "switches four working sets through two cores' caches, and the slowest rank sets the "
+        "pace; for example " +
         "; ".join(f"{r['bench']} {r['config']}: {100 * r['error']:+.0f}%" for r in worst_over)
         + ".",
         "",
