@@ -121,32 +121,6 @@ def fit_compute(flops, seconds):
     return 1.0 / per_flop, max(fixed, 0.0)
 
 
-def stage_costs(n_layers_per_stage, rows, repeats=9):
-    """The pipeline benchmark's stage, timed in this process on its real shapes: seconds of one
-    micro-batch's forward + backward, and of the stage's zero_grad + optimizer update."""
-    from mpipar import backend as B
-    from mpipar import nn, optim
-    from mpipar.bench import pp as bench_pp
-    from mpipar.bench.common import median_time
-
-    B.use("numpy", "float32")
-    stage = nn.Sequential(bench_pp.build_model(1).layers[:2 * n_layers_per_stage]).init(0)
-    opt = optim.SGD(stage.parameters(), lr=1e-4)
-    x, _ = bench_pp.batch(1)
-    x = x[:rows]
-
-    def micro():
-        stage.backward(stage.forward(x), 0)
-
-    def update():
-        opt.zero_grad()
-        opt.step()
-
-    params = sum(p.size for p in stage.parameters())
-    return median_time(micro, repeats), median_time(update, repeats) / params, \
-        sum(stage.layer_flops(x.shape))
-
-
 def update_cost(model, momentum=0.9, repeats=9):
     """Seconds per parameter of ``model``'s zero_grad + SGD update (with ``momentum``, as the
     benchmark's trainer), timed here (float32): work that grows with the parameters, whatever
