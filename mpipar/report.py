@@ -168,13 +168,11 @@ def validation_rows():
     from mpipar.bench.net import predict as allreduce_time
 
     flops = read_csv("flops.csv")
-    share = {int(r["ranks"]): _f(r, "share_of_one") for r in flops
-             if r["computing"] == r["ranks"]}  # every rank computing
-    shared = {}  # with more ranks than cores: the share by number of ranks computing
-    for p in share:
+    shared = {}  # ranks -> the share with every rank computing, or with more ranks than
+    for p in {int(r["ranks"]) for r in flops}:  # cores, by the number of ranks computing
         table = {int(r["computing"]): _f(r, "share_of_one") for r in flops
                  if int(r["ranks"]) == p}
-        shared[p] = table if p > cores() and len(table) == p else share[p]
+        shared[p] = table if p > cores() and len(table) == p else table[p]
     over_alpha, over_beta = oversubscribed_alpha_beta()
     out = []
 
@@ -202,9 +200,7 @@ def validation_rows():
         alpha, beta = links(p, _f(r, "alpha"), _f(r, "beta"))
         hw = S.this_machine(rate, alpha, beta, update_per_param=t_param[sizes])
         pred = S.predict(spec, hw, dp=p, global_batch=batch, dtype_bytes=4,
-                         compute_share=shared[p])["compute_s"]
-        if r["mode"] == "zero1":  # each rank updates 1/P of the parameters
-            pred -= update_one * (1 - 1 / p) / share[p]
+                         zero=int(r["mode"] == "zero1"), compute_share=shared[p])["compute_s"]
         pred += allreduce_time(algo[r["mode"]], p, n_params * 4, alpha, beta, _f(r, "gamma"))
         out.append(dict(bench="dp", config=f"{r['mode']}, P={p}", ranks=p,
                         measured_ms=_f(r, "step_ms"), predicted_ms=pred * 1e3))
@@ -249,7 +245,7 @@ def validation_rows():
                                   [_f(x, "step_ms") / 1e3 for x in ones])
         hw = S.this_machine(rate, *links(p, _f(r, "alpha"), _f(r, "beta")),
                             layer_overhead=fixed / 3)  # one block: forward + 2 x backward
-        pred = S.predict(spec, hw, tp=p, global_batch=b, dtype_bytes=4, compute_share=share[p])
+        pred = S.predict(spec, hw, tp=p, global_batch=b, dtype_bytes=4, compute_share=shared[p])
         out.append(dict(bench="tp", config=f"h={h}, b={b}, s={s}, P={p}", ranks=p,
                         measured_ms=_f(r, "step_ms"), predicted_ms=pred["step_s"] * 1e3))
     # hybrid: the course's GPT on every layout of 4 ranks, rate from the serial step
@@ -387,8 +383,7 @@ def _pct(x):
 def write_report(scaling, validation, extrapolation, bench_times):
     """plots/REPORT.md: every plot with what it shows; every number read from a CSV."""
     eng = read_csv("engine.csv")[0]
-    flops = {int(r["ranks"]): r for r in read_csv("flops.csv") if r["computing"] == r["ranks"]}
-    flops.update({f"{r['computing']} of 4": r for r in read_csv("flops.csv") if r["ranks"] == "4"})
+    flops = {(int(r["ranks"]), int(r["computing"])): r for r in read_csv("flops.csv")}
     net = read_csv("net.csv")[0]
     dp = read_csv("dp.csv")
     pp = [r for r in read_csv("pp.csv") if r["stage"] == "0"]
@@ -437,10 +432,10 @@ def write_report(scaling, validation, extrapolation, bench_times):
         f"{_f(eng, 'ratio'):.3f} (target at most 1.15; `engine.csv`). The layer abstraction costs "
         "little next to the matrix products.",
         "",
-        f"While 2 ranks compute at once, each sustains {_pct(_f(flops[2], 'share_of_one'))} of "
+        f"While 2 ranks compute at once, each sustains {_pct(_f(flops[2, 2], 'share_of_one'))} of "
         f"the FLOP rate of one rank alone; with 4 ranks on {env['cores']} cores, "
-        f"{_pct(_f(flops[4], 'share_of_one'))}; with 4 ranks of which 2 compute while 2 wait, "
-        f"{_pct(_f(flops['2 of 4'], 'share_of_one'))}: the waiting ranks' wake-ups take some "
+        f"{_pct(_f(flops[4, 4], 'share_of_one'))}; with 4 ranks of which 2 compute while 2 wait, "
+        f"{_pct(_f(flops[4, 2], 'share_of_one'))}: the waiting ranks' wake-ups take some "
         "of the cores (`flops.csv`). The cost model uses these shares.",
         "",
         "## Speedup of each scheme",

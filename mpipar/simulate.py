@@ -161,7 +161,7 @@ def layer_table(spec, micro_rows, tp=1, dtype_bytes=2, recompute=False):
             for (name, layer), f in zip(model.layers, flops)]
 
 
-def shared_replay(lists, fwd, bwd, extra_fwd, extra_bwd, message, share, group=1, rounds=20):
+def shared_replay(lists, fwd, bwd, extra, message, share, group=1, rounds=20):
     """Replay a pipeline schedule on ranks that share cores (processor sharing).
 
     ``share[k]``: the speed of a computing rank, relative to one rank alone, while k ranks
@@ -170,17 +170,17 @@ def shared_replay(lists, fwd, bwd, extra_fwd, extra_bwd, message, share, group=1
     tensor-parallel peers) that compute together. Which stages compute at once depends on the
     timing, and the timing on how fast they compute, so this iterates: replay, find for each
     forward and backward the mean of 1/share over its span, scale its compute time ``fwd[s]``
-    or ``bwd[s]`` by that (``extra_*``, its collectives, are not scaled), replay again; halfway
-    steps (damping) until the slowdowns settle."""
+    or ``bwd[s]`` by that (``extra[s]``, the stage's collectives in either pass, is not
+    scaled), replay again; halfway steps (damping) until the slowdowns settle."""
     top = max(share)
+    first = 1 / share[group]  # the first guess: the stage's own ranks computing
     slow = {}  # (stage, micro, "F" or "B") -> slowdown of that compute
 
-    def costs(kind, base, extra):
-        return lambda s, k: base[s] * slow.get((s, k, kind), 1 / share[group]) + extra[s]
+    def costs(kind, base):
+        return lambda s, k: base[s] * slow.get((s, k, kind), first) + extra[s]
 
     for _ in range(rounds):
-        timeline = schedules.simulate(lists, costs("F", fwd, extra_fwd),
-                                      costs("B", bwd, extra_bwd), message)
+        timeline = schedules.simulate(lists, costs("F", fwd), costs("B", bwd), message)
         spans = [(t0, t1, (s, ins.micro, ins.code)) for s, events in enumerate(timeline)
                  for ins, t0, t1 in events if ins.code in ("F", "B") and t1 > t0]
         edges = sorted({t for t0, t1, _ in spans for t in (t0, t1)})
@@ -192,7 +192,7 @@ def shared_replay(lists, fwd, bwd, extra_fwd, extra_bwd, message, share, group=1
         new = {}
         for t0, t1, key in spans:
             mean = sum((b - a) * inv for a, b, inv in pieces if t0 <= a and b <= t1) / (t1 - t0)
-            new[key] = 0.5 * slow.get(key, 1 / share[group]) + 0.5 * mean
+            new[key] = 0.5 * slow.get(key, first) + 0.5 * mean
         slow = new
     return timeline
 
@@ -239,21 +239,21 @@ def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f
     message = hw.net_alpha + act_bytes * hw.net_beta if pp > 1 else 0.0
     lists = schedules.schedule(schedule, pp, n_micro)
     if table_share:
-        timeline = shared_replay(lists, fwd, bwd, comm, comm, message, table_share, dp * tp)
+        timeline = shared_replay(lists, fwd, bwd, comm, message, table_share, dp * tp)
         fwd = [f / compute_share for f in fwd]  # for the split below: all ranks computing
         bwd = [b / compute_share for b in bwd]
-    else:
-        timeline = schedules.simulate(lists, forward_cost=[f + c for f, c in zip(fwd, comm)],
-                                      backward_cost=[b + c for b, c in zip(bwd, comm)],
-                                      message_cost=message)
     fwd = [f + c for f, c in zip(fwd, comm)]
     bwd = [b + c for b, c in zip(bwd, comm)]
+    if not table_share:
+        timeline = schedules.simulate(lists, forward_cost=fwd, backward_cost=bwd,
+                                      message_cost=message)
     pipeline_time = max(end for events in timeline for _, _, end in events)
     busiest = int(np.argmax([n_micro * (f + b) for f, b in zip(fwd, bwd)]))
 
     grad_bytes = max(stage_params) * dtype_bytes
     dp_time = ring_allreduce_time(grad_bytes, dp, hw.net_alpha, hw.net_beta)
-    update = max(stage_params) * hw.update_per_param / compute_share
+    # the optimizer update: of a stage's parameters, of 1/d of them with ZeRO-1
+    update = max(stage_params) * hw.update_per_param / (dp if zero else 1) / compute_share
     total = pipeline_time + dp_time + update
 
     compute = update + n_micro * (fwd[busiest] + bwd[busiest]

@@ -91,8 +91,8 @@ def _end(timeline):
 def test_shared_replay_with_a_core_per_rank_is_the_plain_replay(name):
     lists = schedules.schedule(name, 3, 4)
     plain = schedules.simulate(lists, [1.0, 1.5, 1.0], [2.0, 3.0, 2.0], 0.25)
-    shared = S.shared_replay(lists, [1.0, 1.5, 1.0], [2.0, 3.0, 2.0], [0.0] * 3, [0.0] * 3,
-                             0.25, {1: 1.0, 2: 1.0, 3: 1.0})
+    shared = S.shared_replay(lists, [1.0, 1.5, 1.0], [2.0, 3.0, 2.0], [0.0] * 3, 0.25,
+                             {1: 1.0, 2: 1.0, 3: 1.0})
     assert _end(shared) == pytest.approx(_end(plain), rel=1e-12)
 
 
@@ -102,7 +102,7 @@ def test_shared_replay_on_one_core_serialises_the_work(name):
     after the other (naive never computes on both stages at once, so it is unchanged)."""
     lists = schedules.schedule(name, 2, 4)
     one_core = {1: 1.0, 2: 0.5}
-    shared = S.shared_replay(lists, [1.0, 1.0], [2.0, 2.0], [0.0, 0.0], [0.0, 0.0], 0.0,
+    shared = S.shared_replay(lists, [1.0, 1.0], [2.0, 2.0], [0.0, 0.0], 0.0,
                              one_core)
     assert _end(shared) == pytest.approx(2 * 4 * (1.0 + 2.0), rel=0.02)
     plain = schedules.simulate(lists, 1.0, 2.0)
@@ -114,7 +114,7 @@ def test_shared_replay_counts_a_stage_as_its_group_of_ranks():
     """Stages of 2 ranks each (say DP 2): 2 stages computing at once are 4 ranks."""
     lists = schedules.schedule("gpipe", 2, 4)
     share = {1: 1.0, 2: 1.0, 3: 2 / 3, 4: 0.5}  # two cores
-    shared = S.shared_replay(lists, [1.0, 1.0], [2.0, 2.0], [0.0, 0.0], [0.0, 0.0], 0.0,
+    shared = S.shared_replay(lists, [1.0, 1.0], [2.0, 2.0], [0.0, 0.0], 0.0,
                              share, group=2)
     assert _end(shared) == pytest.approx(24.0, rel=0.02)  # as the one-core case above
 
@@ -129,3 +129,12 @@ def test_predict_with_a_share_table_slows_only_what_runs_at_once():
     assert S.predict(spec, hw, compute_share=table, **kw)["step_s"] == pytest.approx(alone)
     # an even share of 0.5 at every moment would double it
     assert S.predict(spec, hw, compute_share=0.5, **kw)["step_s"] > 1.9 * alone
+
+
+def test_zero1_shards_the_optimizer_update():
+    spec = S.MLPSpec((256, 256, 256))
+    hw = S.this_machine(1e10, 0.0, 0.0, update_per_param=1e-8)
+    plain, zero = (S.predict(spec, hw, dp=4, global_batch=64, dtype_bytes=4, zero=z)["step_s"]
+                   for z in (0, 1))
+    n = 2 * (256 * 256 + 256)
+    assert plain - zero == pytest.approx(n * 1e-8 * (1 - 1 / 4), rel=1e-9)
