@@ -433,7 +433,8 @@ def write_report(scaling, validation, extrapolation, bench_times):
         "little next to the matrix products.",
         "",
         f"While 2 ranks compute at once, each sustains {_pct(_f(flops[2, 2], 'share_of_one'))} of "
-        f"the FLOP rate of one rank alone; with 4 ranks on {env['cores']} cores, "
+        "the FLOP rate of one rank alone, counted until the last of them is done; with 4 ranks "
+        f"on {env['cores']} cores, "
         f"{_pct(_f(flops[4, 4], 'share_of_one'))}; with 4 ranks of which 2 compute while 2 wait, "
         f"{_pct(_f(flops[4, 2], 'share_of_one'))}: the waiting ranks' wake-ups take some "
         "of the cores (`flops.csv`). The cost model uses these shares.",

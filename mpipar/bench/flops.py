@@ -12,23 +12,29 @@ FLOP rate by ``share = rate(k of P) / rate(1 of 1)`` measured here, in the same 
 benchmarks it predicts: for P = 1 and 2 with every rank computing, and for P = 4 with
 k = 1, 2, 3, 4. Each computing rank times float32 matrix products of the sizes the benchmarks
 use, all starting together after a barrier; a waiting rank waits for a message rank 0 sends
-when it is done. The share is the mean over the computing ranks (the scheduler may favour
-one: their total is what a replay that shares cores needs).
+when it is done. The rate is the work of one rank over the makespan: from the first computing
+rank's start to the last one's end, on the machine's one monotonic clock. Each rank's own
+elapsed time would flatter sharing: a rank that the scheduler leaves off a core after the
+barrier starts its clock late, and runs alone once the others are done (4 of 4 here: about
+0.53 of one core by own times, 0.47 by makespan; the data-parallel benchmark's forward and
+backward on 4 ranks at once also give 0.47). Computing ranks in lockstep (a collective after
+each layer, or a step that waits for the slowest replica) go at the pace of the last one.
 """
 
 import argparse
 import statistics
+import time
 
 from mpipar.bench.common import emit, environment, run_ranks, write_csv
 
 N = 512  # float32 (N, N) @ (N, N): 0.27 GFLOP, a few ms on one core
+REPS = 8  # products per rank and repeat
 RANKS = (1, 2, 4)
 PARTIAL = 4  # with this many ranks, measure every number of computing ranks
 
 
 def worker(repeats, computing):
     import numpy as np
-    from mpi4py import MPI
 
     from mpipar import comm as C
 
@@ -38,24 +44,25 @@ def worker(repeats, computing):
     a = rng.standard_normal((N, N)).astype(np.float32)
     b = rng.standard_normal((N, N)).astype(np.float32)
     done = np.zeros(1)
-    rates = []
+    spans = []  # (start, end) of this rank's products, one clock for all ranks of a machine
     for _ in range(repeats):
         w.Barrier()
         if w.rank < computing:
-            t0 = MPI.Wtime()
-            for _ in range(8):
+            t0 = time.monotonic()
+            for _ in range(REPS):
                 a @ b
-            rates.append(8 * 2 * N**3 / (MPI.Wtime() - t0))
+            spans.append((t0, time.monotonic()))
             if w.rank == 0:  # the waiting ranks wait until rank 0 is done
                 for r in range(computing, w.size):
                     w.Send(done, r)
         else:
             w.Recv(done, 0)
-    mine = [statistics.median(rates)] if rates else []
-    rates = [r for per_rank in w.mpi.gather(mine) or [] for r in per_rank]  # floats: pickled
+    spans = w.mpi.gather(spans)  # floats: pickled
     if w.rank == 0:
+        makespans = [max(e for _, e in run) - min(s for s, _ in run)
+                     for run in zip(*spans[:computing])]
         emit(dict(ranks=w.size, computing=computing,
-                  gflops_per_rank=statistics.mean(rates) / 1e9))
+                  gflops_per_rank=REPS * 2 * N**3 / statistics.median(makespans) / 1e9))
 
 
 def measure(quick=False):
