@@ -156,15 +156,17 @@ def validation_rows():
     """Measured step time of every benchmarked configuration beside the cost model's.
 
     Everything the model is given is measured in the same run: the FLOP rate from one-rank
-    step times of the benchmark's own model (tensor parallel: with a fixed cost per layer,
-    :func:`fit_compute`, fitted over the sizes; data and pipeline parallel: less the
-    optimizer update, :func:`update_cost`, which every replica or stage does whole), scaled by
+    step times of the benchmark's own model, less the optimizer update (:func:`update_cost`,
+    which every replica or stage does whole; a tensor-parallel rank updates its shards: the
+    update's cost per value divides, its cost per call does not), with, for tensor
+    parallelism, a fixed cost per layer (:func:`fit_compute`, fitted over the sizes), scaled by
     plots/flops.csv for the ranks computing at once: every rank where they all compute
     together, and, with more ranks than cores, by how many compute at each moment of the
     pipeline replay (:func:`mpipar.simulate.shared_replay`). alpha and beta come from the
     ping-pong, or, for runs with more ranks than cores, from allreduces between computations
     on 4 ranks (:func:`oversubscribed_alpha_beta`)."""
     from mpipar import simulate as S
+    from mpipar.bench.net import fit_alpha_beta
     from mpipar.bench.net import predict as allreduce_time
 
     flops = read_csv("flops.csv")
@@ -237,14 +239,24 @@ def validation_rows():
         return S.GPTSpec(0, int(r["hidden"]), int(r["heads"]), 1, int(r["seq"]),
                          blocks_only=True)
 
+    # the update of a block: a cost per call (Python, per parameter tensor; every rank makes
+    # the same calls) plus a cost per value (which TP divides), fitted over the hidden sizes
+    sizes = sorted({int(x["hidden"]): x for x in tp}.items())
+    n_values = {h: sum(t["params"] for t in S.layer_table(block(x), 1)) for h, x in sizes}
+    t_update = {h: update_cost(block(x).model(), momentum=0.0) * n_values[h] for h, x in sizes}
+    per_call = max(fit_alpha_beta(list(n_values.values()), list(t_update.values()))[0], 0.0)
+    tp_param = {h: max(t_update[h] - per_call, 0.0) / n_values[h] for h in t_update}
+
     for r in tp:
         h, b, s, p = int(r["hidden"]), int(r["batch"]), int(r["seq"]), int(r["ranks"])
         spec = block(r)
         ones = [x for x in tp if x["batch"] == r["batch"] and x["ranks"] == "1"]
         rate, fixed = fit_compute([3 * S.layer_table(block(x), b)[0]["flops"] for x in ones],
-                                  [_f(x, "step_ms") / 1e3 for x in ones])
+                                  [_f(x, "step_ms") / 1e3 - tp_param[int(x["hidden"])]
+                                   * n_values[int(x["hidden"])] for x in ones])
         hw = S.this_machine(rate, *links(p, _f(r, "alpha"), _f(r, "beta")),
-                            layer_overhead=fixed / 3)  # one block: forward + 2 x backward
+                            layer_overhead=fixed / 3,  # one block: forward + 2 x backward
+                            update_per_param=tp_param[h])
         pred = S.predict(spec, hw, tp=p, global_batch=b, dtype_bytes=4, compute_share=shared[p])
         out.append(dict(bench="tp", config=f"h={h}, b={b}, s={s}, P={p}", ranks=p,
                         measured_ms=_f(r, "step_ms"), predicted_ms=pred["step_s"] * 1e3))
