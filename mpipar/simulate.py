@@ -150,13 +150,22 @@ def ring_allreduce_time(n_bytes, p, alpha, beta):
     return 2 * (p - 1) * alpha + 2 * (p - 1) / p * n_bytes * beta
 
 
+# tensor-parallel Allreduces per micro-batch, forward and backward together, of an activation
+# (b*s*h) and of one number per token (b*s), by layer (mpipar.tensor_parallel): a block's 2 + 2,
+# the embedding's partial lookups, the head's input gradient and the cross-entropy's softmax
+# statistics (max, target logit, sum of exponentials)
+TP_ALLREDUCES = {nn.Block: (4, 0), nn.GPTEmbedding: (1, 0), nn.GPTHead: (1, 3)}
+
+
 def layer_table(spec, micro_rows, tp=1, dtype_bytes=2, recompute=False):
     """Per layer: forward FLOPs for one micro-batch, parameters, whether it is a transformer
-    block (2 + 2 tensor-parallel allreduces), and the activation bytes it stashes."""
+    block, its tensor-parallel allreduces (of activations, of one number per token: see
+    ``TP_ALLREDUCES``), and the activation bytes it stashes."""
     model = spec.model()
     flops = model.layer_flops(spec.input_shape(micro_rows))
     return [dict(name=name, flops=f, params=sum(p.size for p in layer.parameters()),
                  block=isinstance(layer, nn.Block),
+                 tp_allreduces=TP_ALLREDUCES.get(type(layer), (0, 0)),
                  stash=spec.stash_bytes(layer, micro_rows, tp, dtype_bytes, recompute))
             for (name, layer), f in zip(model.layers, flops)]
 
@@ -219,21 +228,23 @@ def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f
     rate = hw.flops * (1.0 if table_share else compute_share)
     act_bytes = spec.message_bytes(micro_rows, dtype_bytes)  # one activation or its gradient
     allreduce = ring_allreduce_time(act_bytes, tp, hw.tp_alpha, hw.tp_beta)
+    per_token = ring_allreduce_time(act_bytes / spec.d_model if isinstance(spec, GPTSpec)
+                                    else 0.0, tp, hw.tp_alpha, hw.tp_beta)
     backward_factor = 3.0 if recompute else 2.0
 
-    fwd, bwd, comm, stage_params, stage_blocks, stage_stash = [], [], [], [], [], []
+    fwd, bwd, comm, stage_params, stage_stash = [], [], [], [], []
     start = 0
     for c in counts:
         layers = table[start:start + c]
         start += c
         flops = sum(r["flops"] for r in layers) * scale / tp
-        blocks = sum(r["block"] for r in layers)
+        big = sum(r["tp_allreduces"][0] for r in layers)
+        small = sum(r["tp_allreduces"][1] for r in layers)
         fixed = c * hw.layer_overhead
         fwd.append(fixed + flops / rate)
         bwd.append(2 * fixed + backward_factor * flops / rate)
-        comm.append(2 * blocks * allreduce)  # 2 allreduces per block forward, 2 backward
+        comm.append((big * allreduce + small * per_token) / 2)  # in each pass: half of them
         stage_params.append(sum(r["params"] for r in layers) / tp)
-        stage_blocks.append(blocks)
         stage_stash.append(sum(r["stash"] for r in layers) * scale)
 
     message = hw.net_alpha + act_bytes * hw.net_beta if pp > 1 else 0.0
@@ -257,8 +268,8 @@ def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f
     total = pipeline_time + dp_time + update
 
     compute = update + n_micro * (fwd[busiest] + bwd[busiest]
-                                  - 4 * stage_blocks[busiest] * allreduce)
-    tp_comm = n_micro * 4 * stage_blocks[busiest] * allreduce
+                                  - 2 * comm[busiest])
+    tp_comm = n_micro * 2 * comm[busiest]
     pp_comm = 2 * n_micro * message if pp > 1 else 0.0
     bubble = max(0.0, pipeline_time + update - compute - tp_comm - pp_comm)
 

@@ -44,6 +44,17 @@ def test_tensor_parallel_splits_compute_and_adds_four_allreduces_per_block():
     assert two["tp_comm_s"] == pytest.approx(3 * 4 * allreduce)
 
 
+def test_tensor_parallel_gpt_counts_every_allreduce_of_the_module():
+    """(4L + 2) Allreduces of b*s*h values and 3 of b*s per micro-batch (the count in
+    mpipar/tensor_parallel.py's docstring, and what the hybrid benchmark counts)."""
+    b, s, h, layers, m = 4, 16, 64, 3, 2
+    spec = S.GPTSpec(8, h, 4, layers, s)
+    two = S.predict(spec, HW, tp=2, global_batch=b * m, n_micro=m)
+    big = S.ring_allreduce_time(b * s * h * 2, 2, HW.tp_alpha, HW.tp_beta)
+    small = S.ring_allreduce_time(b * s * 2, 2, HW.tp_alpha, HW.tp_beta)
+    assert two["tp_comm_s"] == pytest.approx(m * ((4 * layers + 2) * big + 3 * small))
+
+
 def test_memory_follows_korthikanti_and_zero():
     spec = S.GPTSpec(50, 64, 4, 2, 32)
     s, b, h, a = 32, 4, 64, 4
