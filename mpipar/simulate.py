@@ -11,7 +11,8 @@ device, and alpha (seconds per message) and beta (seconds per byte) of its links
   per layer and micro-batch that does not divide (``Hardware.layer_overhead``), and the
   optimizer update, which grows with a stage's parameters (``Hardware.update_per_param``);
 - tensor-parallel communication: per transformer block and micro-batch, 2 allreduces forward and
-  2 backward of b*s*h elements (Megatron-LM), each a ring: 2(t-1) alpha + 2(t-1)/t n beta;
+  2 backward of b*s*h elements (Megatron-LM), each a ring: 2(t-1) alpha + 2(t-1)/t n beta; and
+  for a whole GPT one more each in the embedding and the head, and 3 of b*s in the loss;
 - pipeline: the stages cut by :func:`mpipar.pipeline.partition`, then the *actual* schedule
   (:func:`mpipar.schedules.schedule`) replayed by :func:`mpipar.schedules.simulate` with each
   stage's forward and backward times and alpha + n beta per activation or gradient message, so
