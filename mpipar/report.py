@@ -170,11 +170,13 @@ def validation_rows():
     from mpipar.bench.net import predict as allreduce_time
 
     flops = read_csv("flops.csv")
-    shared = {}  # ranks -> the share with every rank computing, or with more ranks than
-    for p in {int(r["ranks"]) for r in flops}:  # cores, by the number of ranks computing
-        table = {int(r["computing"]): _f(r, "share_of_one") for r in flops
-                 if int(r["ranks"]) == p}
+    shared, each = {}, {}  # ranks -> the share with every rank computing, or with more ranks
+    for p in {int(r["ranks"]) for r in flops}:  # than cores, by the number of ranks computing
+        rows = [r for r in flops if int(r["ranks"]) == p]
+        table = {int(r["computing"]): _f(r, "share_of_one") for r in rows}
         shared[p] = table if p > cores() and len(table) == p else table[p]
+        if "share_mean" in rows[0] and isinstance(shared[p], dict):
+            each[p] = {int(r["computing"]): _f(r, "share_mean") for r in rows}
     over_alpha, over_beta = oversubscribed_alpha_beta()
     out = []
 
@@ -228,7 +230,8 @@ def validation_rows():
         hw = S.this_machine(3 * sum(t["flops"] for t in table) / p / t_micro,
                             *links(p, alpha, beta), update_per_param=pp_param)
         pred = S.predict(spec, hw, pp=p, global_batch=rows * m, n_micro=m,
-                         schedule=r["schedule"], dtype_bytes=4, compute_share=shared[p])
+                         schedule=r["schedule"], dtype_bytes=4, compute_share=shared[p],
+                         stage_share=each.get(p))
         out.append(dict(bench="pp", config=f"{r['schedule']}, P={p}, m={m}", ranks=p,
                         measured_ms=_f(r, "step_ms"), predicted_ms=pred["step_s"] * 1e3))
 
@@ -273,7 +276,8 @@ def validation_rows():
                 (_f(r, "serial_step_ms") / 1e3)
             hw = S.this_machine(rate, *links(int(r["ranks"]), alpha, beta))
             pred = S.predict(spec, hw, int(r["dp"]), int(r["tp"]), int(r["pp"]), batch, m,
-                             r["schedule"], dtype_bytes=4, compute_share=shared[int(r["ranks"])])
+                             r["schedule"], dtype_bytes=4, compute_share=shared[int(r["ranks"])],
+                             stage_share=each.get(int(r["ranks"])))
             out.append(dict(bench="hybrid", config=r["layout"], ranks=int(r["ranks"]),
                             measured_ms=_f(r, "step_ms"), predicted_ms=pred["step_s"] * 1e3))
     for row in out:
@@ -539,13 +543,13 @@ def write_report(scaling, validation, extrapolation, bench_times):
             f"{r['measured_ms']:.2f} ms ({100 * r['error']:+.0f}%)" for r in worst) + ". "
         f"With more ranks than cores, {len(over_inside)} of {len(over)} are within 20%. There "
         "the model shares the cores among the ranks that compute at each moment of the "
-        "replayed schedule, at the speeds `flops.csv` measured for that many computing ranks, "
-        "and prices a collective at what an allreduce between computations costs there "
+        "replayed schedule, at the speeds `flops.csv` measured for that many computing ranks: "
+        "the pace of the last of them for ranks in lockstep (replicas, tensor-parallel peers), "
+        "the mean for pipeline stages of one rank, which do not wait for one another. It "
+        "prices a collective at what an allreduce between computations costs there "
         "(`net.csv`, lockstep rows: a millisecond or more, against microseconds with a core "
-        "per rank, since each step of it waits for a partner to be woken). It still "
-        "under-predicts where all four ranks compute in lockstep: the operating system "
-        "switches four working sets through two cores' caches, and the slowest rank sets the "
-        "pace; for example " +
+        "per rank, since each step of it waits for a partner to be woken). The largest misses "
+        "there: " +
         "; ".join(f"{r['bench']} {r['config']}: {100 * r['error']:+.0f}%" for r in worst_over)
         + ".",
         "",

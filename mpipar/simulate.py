@@ -208,14 +208,18 @@ def shared_replay(lists, fwd, bwd, extra, message, share, group=1, rounds=20):
 
 
 def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f1b",
-            dtype_bytes=2, zero=0, recompute=False, compute_share=1.0):
+            dtype_bytes=2, zero=0, recompute=False, compute_share=1.0, stage_share=None):
     """Predicted step time (and its parts) and memory per rank.
 
     ``recompute``: keep only each block's input and recompute its forward in backward (the
     backward then costs 3 forwards instead of 2). ``compute_share`` scales the FLOP rate when
     ranks share a core (oversubscription): one number for every moment, or a table
     {k: share while k ranks compute}, for which the pipeline is replayed with the cores shared
-    among the stages that compute at each moment (:func:`shared_replay`)."""
+    among the stages that compute at each moment (:func:`shared_replay`). Such a table is the
+    pace of ranks in lockstep (the last of k to finish: replicas or tensor-parallel peers
+    wait for one another). ``stage_share``, a table of the mean speed of each of k ranks, is
+    used instead where every stage is one rank: stages that do not wait for each other are not
+    held back by the slowest."""
     micro_rows = global_batch / (dp * n_micro)
     if micro_rows < 1:
         raise ValueError(f"global batch {global_batch} is too small for dp={dp} x m={n_micro}")
@@ -251,7 +255,8 @@ def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f
     message = hw.net_alpha + act_bytes * hw.net_beta if pp > 1 else 0.0
     lists = schedules.schedule(schedule, pp, n_micro)
     if table_share:
-        timeline = shared_replay(lists, fwd, bwd, comm, message, table_share, dp * tp)
+        replay_share = stage_share if stage_share and dp * tp == 1 else table_share
+        timeline = shared_replay(lists, fwd, bwd, comm, message, replay_share, dp * tp)
         fwd = [f / compute_share for f in fwd]  # for the split below: all ranks computing
         bwd = [b / compute_share for b in bwd]
     fwd = [f + c for f, c in zip(fwd, comm)]

@@ -142,6 +142,24 @@ def test_predict_with_a_share_table_slows_only_what_runs_at_once():
     assert S.predict(spec, hw, compute_share=0.5, **kw)["step_s"] > 1.9 * alone
 
 
+def test_stage_share_replays_single_rank_stages_and_leaves_groups_in_lockstep():
+    """Stages of one rank replay at the mean speed (``stage_share``); stages of dp*tp ranks
+    keep the lockstep table (``compute_share``), whatever stage_share says."""
+    spec = S.MLPSpec((256,) * 9)
+    hw = S.this_machine(1e10, 0.0, 0.0)
+    lockstep = {1: 1.0, 2: 1.0, 3: 0.5, 4: 0.5}
+    mean = {1: 1.0, 2: 1.0, 3: 2 / 3, 4: 0.5}
+    kw = dict(global_batch=64, n_micro=8, schedule="1f1b", dtype_bytes=4,
+              compute_share=lockstep)
+    pp4 = {name: S.predict(spec, hw, pp=4, stage_share=t, **kw)["step_s"]
+           for name, t in (("lockstep", None), ("mean", mean), ("lockstep again", lockstep))}
+    assert pp4["mean"] < 0.99 * pp4["lockstep"]  # 3 stages at once go faster at 2/3
+    assert pp4["lockstep again"] == pytest.approx(pp4["lockstep"], rel=1e-12)
+    grouped = [S.predict(spec, hw, dp=2, pp=2, stage_share=t, **kw)["step_s"]
+               for t in (None, {k: 1.0 for k in mean})]
+    assert grouped[0] == pytest.approx(grouped[1], rel=1e-12)
+
+
 def test_zero1_shards_the_optimizer_update():
     spec = S.MLPSpec((256, 256, 256))
     hw = S.this_machine(1e10, 0.0, 0.0, update_per_param=1e-8)

@@ -12,13 +12,18 @@ FLOP rate by ``share = rate(k of P) / rate(1 of 1)`` measured here, in the same 
 benchmarks it predicts: for P = 1 and 2 with every rank computing, and for P = 4 with
 k = 1, 2, 3, 4. Each computing rank times float32 matrix products of the sizes the benchmarks
 use, all starting together after a barrier; a waiting rank waits for a message rank 0 sends
-when it is done. The rate is the work of one rank over the makespan: from the first computing
-rank's start to the last one's end, on the machine's one monotonic clock. Each rank's own
-elapsed time would flatter sharing: a rank that the scheduler leaves off a core after the
-barrier starts its clock late, and runs alone once the others are done (4 of 4 here: about
-0.53 of one core by own times, 0.47 by makespan; the data-parallel benchmark's forward and
-backward on 4 ranks at once also give 0.47). Computing ranks in lockstep (a collective after
-each layer, or a step that waits for the slowest replica) go at the pace of the last one.
+when it is done. Times run from the first computing rank's start, on the machine's one
+monotonic clock (each rank's own clock would flatter sharing: a rank that the scheduler leaves
+off a core after the barrier starts it late). Two rates per k:
+
+- ``gflops_per_rank``, ``share_of_one``: one rank's work over the makespan, to the LAST
+  rank's end: the pace of ranks in lockstep (replicas that wait for the slowest, tensor-
+  parallel peers with a collective after each layer). 4 of 4 here: about 0.47 of one core;
+  the data-parallel benchmark's forward and backward on 4 ranks at once also give 0.47.
+- ``gflops_mean``, ``share_mean``: the mean over the computing ranks of work / own end: the
+  speed of ranks that do not wait for one another, such as pipeline stages. It differs most
+  for 3 ranks on 2 cores: the scheduler tends to leave one alone on a core (about 1.0) and
+  two sharing the other (0.5 each): 0.67 on average, 0.5 for the last.
 """
 
 import argparse
@@ -59,18 +64,24 @@ def worker(repeats, computing):
             w.Recv(done, 0)
     spans = w.mpi.gather(spans)  # floats: pickled
     if w.rank == 0:
-        makespans = [max(e for _, e in run) - min(s for s, _ in run)
-                     for run in zip(*spans[:computing])]
+        work = REPS * 2 * N**3
+        last, each = [], []  # per repeat: the last rank's rate; the mean of each rank's rate
+        for run in zip(*spans[:computing]):
+            start = min(s for s, _ in run)
+            last.append(work / (max(e for _, e in run) - start))
+            each.append(statistics.mean(work / (e - start) for _, e in run))
         emit(dict(ranks=w.size, computing=computing,
-                  gflops_per_rank=REPS * 2 * N**3 / statistics.median(makespans) / 1e9))
+                  gflops_per_rank=statistics.median(last) / 1e9,
+                  gflops_mean=statistics.median(each) / 1e9))
 
 
 def measure(quick=False):
-    """{(ranks, computing): GFLOP/s one computing rank sustains}."""
+    """{(ranks, computing): {"gflops_per_rank": the pace of the last computing rank,
+    "gflops_mean": the mean over the computing ranks}}."""
     repeats = 5 if quick else 15
     runs = [(p, p) for p in RANKS] + [(PARTIAL, k) for k in range(1, PARTIAL)]
     return {(p, k): run_ranks(p, "mpipar.bench.flops", ["--worker", "--repeats", repeats,
-                                                        "--computing", k])[0]["gflops_per_rank"]
+                                                        "--computing", k])[0]
             for p, k in runs}
 
 
@@ -85,14 +96,19 @@ def main(argv=None):
         worker(args.repeats, args.computing)
         return
     rates = measure(args.quick)
+    one = rates[(1, 1)]["gflops_per_rank"]
     rows = [dict(environment(p), bench="flops", matmul=f"{N}x{N}x{N} float32", computing=k,
-                 gflops_per_rank=round(r, 3), share_of_one=round(r / rates[(1, 1)], 4))
+                 gflops_per_rank=round(r["gflops_per_rank"], 3),
+                 share_of_one=round(r["gflops_per_rank"] / one, 4),
+                 gflops_mean=round(r["gflops_mean"], 3),
+                 share_mean=round(r["gflops_mean"] / one, 4))
             for (p, k), r in sorted(rates.items())]
     path = write_csv("flops.csv", rows)
     for row in rows:
         print(f"{row['computing']} of {row['ranks']} ranks computing: "
-              f"{row['gflops_per_rank']:7.2f} GFLOP/s per computing rank "
-              f"({row['share_of_one']:.2f} of one alone)")
+              f"{row['gflops_per_rank']:7.2f} GFLOP/s per rank by the last to finish "
+              f"({row['share_of_one']:.2f} of one alone), {row['gflops_mean']:7.2f} on average "
+              f"({row['share_mean']:.2f})")
     print(f"-> {path}")
 
 
