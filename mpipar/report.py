@@ -112,13 +112,22 @@ def plot_scaling(rows, path):
 
 
 # ----------------------------------------------------------------------------- cost model check
-def fit_compute(flops, seconds):
-    """(FLOP rate, fixed seconds per step) from one-rank step times at several batch sizes:
-    t = fixed + flops / rate, fitted like alpha and beta (relative errors)."""
-    from mpipar.bench.net import fit_alpha_beta
+def fit_power(flops, seconds):
+    """(fixed, a, e) of t = fixed + a flops^e fitted to one-rank step times (relative errors,
+    like alpha and beta; e on a grid of 0.6 to 1). A fixed FLOP rate (e = 1) misses both ends:
+    BLAS runs small products well below its peak, so the rate grows with their size (e < 1);
+    a tensor-parallel rank's products are 1/P the size, and run at their own, lower rate."""
+    import numpy as np
 
-    fixed, per_flop = fit_alpha_beta(flops, seconds)
-    return 1.0 / per_flop, max(fixed, 0.0)
+    f, t = np.asarray(flops, dtype=float), np.asarray(seconds, dtype=float)
+    best = None
+    for e in np.linspace(0.6, 1.0, 81):
+        A = np.stack([1.0 / t, f**e / t], axis=1)
+        coef, *_ = np.linalg.lstsq(A, np.ones_like(t), rcond=None)
+        err = float(np.sum((A @ coef - 1) ** 2))
+        if coef[1] > 0 and (best is None or err < best[0]):
+            best = (err, max(float(coef[0]), 0.0), float(coef[1]), float(e))
+    return best[1:]
 
 
 def update_cost(model, momentum=0.9, repeats=9):
@@ -159,7 +168,8 @@ def validation_rows():
     step times of the benchmark's own model, less the optimizer update (:func:`update_cost`,
     which every replica or stage does whole; a tensor-parallel rank updates its shards: the
     update's cost per value divides, its cost per call does not), with, for tensor
-    parallelism, a fixed cost per layer (:func:`fit_compute`, fitted over the sizes), scaled by
+    parallelism, a fixed cost per step and a rate that grows with the size of the products
+    (:func:`fit_power`, fitted over the sizes, taken at the size of one rank's share), scaled by
     plots/flops.csv for the ranks computing at once: every rank where they all compute
     together, and, with more ranks than cores, by how many compute at each moment of the
     pipeline replay (:func:`mpipar.simulate.shared_replay`). alpha and beta come from the
@@ -254,9 +264,12 @@ def validation_rows():
         h, b, s, p = int(r["hidden"]), int(r["batch"]), int(r["seq"]), int(r["ranks"])
         spec = block(r)
         ones = [x for x in tp if x["batch"] == r["batch"] and x["ranks"] == "1"]
-        rate, fixed = fit_compute([3 * S.layer_table(block(x), b)[0]["flops"] for x in ones],
-                                  [_f(x, "step_ms") / 1e3 - tp_param[int(x["hidden"])]
-                                   * n_values[int(x["hidden"])] for x in ones])
+        fixed, scale, power = fit_power(
+            [3 * S.layer_table(block(x), b)[0]["flops"] for x in ones],
+            [_f(x, "step_ms") / 1e3 - tp_param[int(x["hidden"])] * n_values[int(x["hidden"])]
+             for x in ones])
+        work = 3 * S.layer_table(spec, b)[0]["flops"] / p  # one rank's share
+        rate = work / (scale * work**power)  # the rate at the size of a rank's products
         hw = S.this_machine(rate, *links(p, _f(r, "alpha"), _f(r, "beta")),
                             layer_overhead=fixed / 3,  # one block: forward + 2 x backward
                             update_per_param=tp_param[h])
