@@ -130,17 +130,19 @@ def fit_power(flops, seconds):
     return best[1:]
 
 
-def update_cost(model, momentum=0.9, repeats=9):
+def update_cost(model, momentum=0.9, repeats=9, name=None):
     """Seconds per parameter of ``model``'s zero_grad + SGD update (with ``momentum``, as the
-    benchmark's trainer), timed here (float32): work that grows with the parameters, whatever
-    the batch, and that every replica does whole."""
+    benchmark's trainer; or the optimizer ``name`` as the trainers build it: sgd, adam or
+    adamw), timed here (float32): work that grows with the parameters, whatever the batch,
+    and that every replica does whole."""
     from mpipar import backend as B
     from mpipar import optim
     from mpipar.bench.common import median_time
 
     B.use("numpy", "float32")
     model.init(0)
-    opt = optim.SGD(model.parameters(), lr=1e-4, momentum=momentum)
+    opt = (optim.make(name, model.parameters(), 1e-4) if name else
+           optim.SGD(model.parameters(), lr=1e-4, momentum=momentum))
 
     def update():
         model.zero_grad()
@@ -281,13 +283,18 @@ def validation_rows():
         from mpipar.data import Text
 
         vocab = Text().vocab
+        gpt_param = {}  # model -> seconds per parameter of zero_grad + the Adam update
         for r in read_csv("hybrid.csv"):
             d_model, heads, layers, seq = (int(v[1:]) for v in r["model"].split()[1:])
             spec = S.GPTSpec(vocab, d_model, heads, layers, seq)
             batch, m = int(r["batch"]), int(r["micro_batches"])
+            if r["model"] not in gpt_param:  # the serial trainer's Adam, on every replica
+                gpt_param[r["model"]] = update_cost(spec.model(), name="adam")
+            update_one = int(r["params"]) * gpt_param[r["model"]]
             rate = 3 * sum(t["flops"] for t in S.layer_table(spec, batch)) / \
-                (_f(r, "serial_step_ms") / 1e3)
-            hw = S.this_machine(rate, *links(int(r["ranks"]), alpha, beta))
+                (_f(r, "serial_step_ms") / 1e3 - update_one)
+            hw = S.this_machine(rate, *links(int(r["ranks"]), alpha, beta),
+                                update_per_param=gpt_param[r["model"]])
             pred = S.predict(spec, hw, int(r["dp"]), int(r["tp"]), int(r["pp"]), batch, m,
                              r["schedule"], dtype_bytes=4, compute_share=shared[int(r["ranks"])],
                              stage_share=each.get(int(r["ranks"])))
