@@ -14,13 +14,14 @@ classes would add about 10%, and an unbalanced last stage raises the bubble).
 
 One launch per P (2, then 4: 4 ranks on 2 cores are oversubscribed and marked so); in it, for
 gpipe and 1f1b with m in {1, 2, 4, 8, 16}, and naive up to m = 4 (its bubble is (p-1)/p for
-any m): warm-up steps, then timed steps (barrier, the step, the slowest rank's time; the median
-over steps). The bubble of a step comes from the trace (mpipar.trace): 1 - (sum over ranks of
-forward + backward time) / (P * span from the first forward to the last backward), the median
-over steps. The peak stash of a stage is the most bytes nn.Module.cached_bytes() showed after
-any instruction, beside the prediction: the schedule's peak micro-batches in flight times one
-micro-batch's stash. The serial step is timed in this process on the whole model and the same
-batch.
+any m): warm-up rounds, then timed rounds, each running every configuration once (barrier, the
+step, the slowest rank's time), so that a slow spell of a shared machine spoils one sample of
+many configurations, not every sample of a few; the median over rounds. The bubble of a step
+comes from the trace (mpipar.trace): 1 - (sum over ranks of forward + backward time) /
+(P * span from the first forward to the last backward), the median over steps. The peak stash
+of a stage is the most bytes nn.Module.cached_bytes() showed after any instruction, beside the
+prediction: the schedule's peak micro-batches in flight times one micro-batch's stash. The
+serial step is timed in this process on the whole model and the same batch.
 """
 
 import argparse
@@ -88,45 +89,55 @@ def worker(micro_counts, steps, warmup):
     probe.forward(batch(1)[0], 0)
     per_micro = probe.cached_bytes()
 
+    configs = {}  # (schedule, m) -> what one configuration needs, built once
     for name in SCHEDULE_NAMES:
         for m in [m for m in micro_counts if name != "naive" or m <= NAIVE_MAX_M]:
             stage = PP.build_stage(model, bounds, 0)
-            opt = optim.SGD(stage.parameters(), lr=1e-4)
-            instructions = SCHEDULES[name](P, r, m)
             x, y = batch(m)
-            inputs, targets = PP.micro_batches(x, m), PP.micro_batches(y, m)
-            samples, traces, peak = [], [], 0
-            for step in range(warmup + steps):
-                pp.Barrier()
-                TRACE.clear()
-                t0 = MPI.Wtime()
-                result = PP.run_pipeline(stage, instructions, pp, [ROWS] * m,
-                                         inputs=inputs if r == 0 else None,
-                                         targets=targets if r == P - 1 else None,
-                                         loss_fn=loss_fn, normalizer=y.size, optimizer=opt)
-                t = MPI.Wtime() - t0
-                peak = max(peak, result.peak_stash_bytes)
-                if step >= warmup:
-                    samples.append((t, PP.step_summary(TRACE.events)))
-                    traces.append([e[:4] + ({"micro": e[4]["micro"]} if "micro" in e[4] else {},)
-                                   for e in TRACE.events
-                                   if e[2] in ("forward", "backward", "optimizer")])
-            everyone = pp.gather_obj(dict(samples=samples, peak=peak, per_micro=per_micro,
-                                          in_flight=peak_in_flight(instructions),
-                                          traces=traces if m == TIMELINE_M else None))
-            if r == 0:
-                # the timeline shows the median step by duration, not one another process hit
-                typical = PP.median_step([[s[1] for s in e["samples"]] for e in everyone], skip=0)
-                step_times = [max(e["samples"][i][0] for e in everyone) for i in range(steps)]
-                bubbles = [PP.measured_bubble([e["samples"][i][1] for e in everyone])
-                           for i in range(steps)]
-                emit(dict(ranks=P, schedule=name, m=m, step_s=statistics.median(step_times),
-                          bubble=statistics.median(bubbles),
-                          peaks=[e["peak"] for e in everyone],
-                          per_micro=[e["per_micro"] for e in everyone],
-                          in_flight=[e["in_flight"] for e in everyone],
-                          events=[e["traces"][typical] for e in everyone]
-                          if m == TIMELINE_M else None))
+            configs[name, m] = dict(stage=stage, opt=optim.SGD(stage.parameters(), lr=1e-4),
+                                    instructions=SCHEDULES[name](P, r, m), normalizer=y.size,
+                                    inputs=PP.micro_batches(x, m),
+                                    targets=PP.micro_batches(y, m),
+                                    samples=[], traces=[], peak=0)
+    # every configuration once per round, rounds repeated: a slow spell of the machine spoils
+    # one sample of many configurations rather than every sample of a few
+    for step in range(warmup + steps):
+        for (_, m), c in configs.items():
+            pp.Barrier()
+            TRACE.clear()
+            t0 = MPI.Wtime()
+            result = PP.run_pipeline(c["stage"], c["instructions"], pp, [ROWS] * m,
+                                     inputs=c["inputs"] if r == 0 else None,
+                                     targets=c["targets"] if r == P - 1 else None,
+                                     loss_fn=loss_fn, normalizer=c["normalizer"],
+                                     optimizer=c["opt"])
+            t = MPI.Wtime() - t0
+            c["peak"] = max(c["peak"], result.peak_stash_bytes)
+            if step >= warmup:
+                c["samples"].append((t, PP.step_summary(TRACE.events)))
+                if m == TIMELINE_M:
+                    c["traces"].append([e[:4] + ({"micro": e[4]["micro"]}
+                                                 if "micro" in e[4] else {},)
+                                        for e in TRACE.events
+                                        if e[2] in ("forward", "backward", "optimizer")])
+    for (name, m), c in configs.items():
+        everyone = pp.gather_obj(dict(samples=c["samples"], peak=c["peak"],
+                                      per_micro=per_micro,
+                                      in_flight=peak_in_flight(c["instructions"]),
+                                      traces=c["traces"] if m == TIMELINE_M else None))
+        if r == 0:
+            # the timeline shows the median step by duration, not one another process hit
+            typical = PP.median_step([[s[1] for s in e["samples"]] for e in everyone], skip=0)
+            step_times = [max(e["samples"][i][0] for e in everyone) for i in range(steps)]
+            bubbles = [PP.measured_bubble([e["samples"][i][1] for e in everyone])
+                       for i in range(steps)]
+            emit(dict(ranks=P, schedule=name, m=m, step_s=statistics.median(step_times),
+                      bubble=statistics.median(bubbles),
+                      peaks=[e["peak"] for e in everyone],
+                      per_micro=[e["per_micro"] for e in everyone],
+                      in_flight=[e["in_flight"] for e in everyone],
+                      events=[e["traces"][typical] for e in everyone]
+                      if m == TIMELINE_M else None))
 
 
 # ----------------------------------------------------------------------------- driver
