@@ -40,12 +40,16 @@ class Optimizer:
 
     def step(self):
         for p in self.params:
-            if p not in self.state:
-                self.state[p] = self.new_state(p)
-            flat = [_flat(a) for a in (p.data, p.grad) + self.state[p]]
+            state = self.state.get(p)
+            if state is None:
+                state = self.state[p] = self.new_state(p)
+            flat = [_flat(a) for a in (p.data, p.grad) + state]
+            if p.size <= BLOCK:  # one block: the arrays themselves, no slicing (Python time
+                self.update(*flat)  # matters for the many small parameters of small models)
+                continue
             for s in blocks(p.size):
-                w, g, *state = (a[s] for a in flat)
-                self.update(w, g, *state)
+                w, g, *rest = (a[s] for a in flat)
+                self.update(w, g, *rest)
 
     def new_state(self, p):
         """The optimizer's per-parameter arrays (zeros, shaped like the parameter)."""
