@@ -11,6 +11,7 @@ same time, with one BLAS thread per rank.
 
 import argparse
 import importlib
+import math
 import os
 import sys
 import time
@@ -130,16 +131,30 @@ def fit_power(flops, seconds):
     return best[1:]
 
 
+UPDATE_CSV = "update_cost.csv"  # the update times of the run, kept for --plots-only
+_update_times = {}  # (model, optimizer) -> seconds per parameter, measured or read back
+
+
 def update_cost(model, momentum=0.9, repeats=9, name=None):
     """Seconds per parameter of ``model``'s zero_grad + SGD update (with ``momentum``, as the
     benchmark's trainer; or the optimizer ``name`` as the trainers build it: sgd, adam or
     adamw), timed here (float32): work that grows with the parameters, whatever the batch,
-    and that every replica does whole."""
+    and that every replica does whole. Measured once per run of the benchmarks and written to
+    plots/update_cost.csv, which ``--plots-only`` reads back, so that it redraws the same
+    predictions."""
     from mpipar import backend as B
     from mpipar import optim
     from mpipar.bench.common import median_time
 
     B.use("numpy", "float32")
+    shapes = [p.shape for p in model.parameters()]
+    key = (f"{type(model).__name__}: {sum(math.prod(s) for s in shapes)} values in "
+           f"{len(shapes)} tensors", name or f"sgd, momentum {momentum}")
+    if not _update_times and (PLOTS / UPDATE_CSV).exists():
+        _update_times.update({(r["model"], r["optimizer"]): _f(r, "seconds_per_value")
+                              for r in read_csv(UPDATE_CSV)})
+    if key in _update_times:
+        return _update_times[key]
     model.init(0)
     opt = (optim.make(name, model.parameters(), 1e-4) if name else
            optim.SGD(model.parameters(), lr=1e-4, momentum=momentum))
@@ -148,7 +163,10 @@ def update_cost(model, momentum=0.9, repeats=9, name=None):
         model.zero_grad()
         opt.step()
 
-    return median_time(update, repeats) / sum(p.size for p in model.parameters())
+    _update_times[key] = median_time(update, repeats) / sum(p.size for p in model.parameters())
+    write_csv(UPDATE_CSV, [dict(environment(), bench="update", model=m, optimizer=o,
+                                seconds_per_value=t) for (m, o), t in _update_times.items()])
+    return _update_times[key]
 
 
 def oversubscribed_alpha_beta():
@@ -433,9 +451,18 @@ def write_report(scaling, validation, extrapolation, bench_times):
         return max(abs(_f(r, "bubble_measured") - _f(r, "bubble_formula")) for r in pp
                    if int(r["ranks"]) == p and r["schedule"] in ("gpipe", "1f1b"))
 
-    tp_big = [r for r in tp if r["batch"] == "4"]
-    crossover = tp_big[0].get("measured_crossover_hidden"), \
-        tp_big[0].get("predicted_crossover_hidden")
+    def crossover(batch):  # (measured, predicted) hidden size from which P = 2 pays off
+        row = next(r for r in tp if r["batch"] == batch)
+        return row["measured_crossover_hidden"], row["predicted_crossover_hidden"]
+
+    smallest = min(int(r["hidden"]) for r in tp)
+    big, small = crossover("4"), crossover("1")
+    if big[0] and int(big[0]) <= smallest:
+        big_text = (f"For a training-sized step (batch 4 x sequence 64) 2 ranks are faster at "
+                    f"every size measured, from h = {smallest}")
+    else:
+        big_text = (f"For a training-sized step (batch 4 x sequence 64) 2 ranks pay off from "
+                    f"a hidden size of about {big[0]}")
     inside = [r for r in validation if abs(r["error"]) <= 0.2]
     fair = [r for r in validation if not r["oversubscribed"]]
     fair_inside = [r for r in fair if abs(r["error"]) <= 0.2]
@@ -528,8 +555,9 @@ def write_report(scaling, validation, extrapolation, bench_times):
         "![tensor parallel](tp_comm_share.png)",
         "",
         f"Splitting one transformer block over 2 ranks adds 4 allreduces of b*s*h values per "
-        f"step. It starts to pay off at a hidden size of about {crossover[0]} on this machine; "
-        f"the alpha-beta model predicts about {crossover[1]} (`tp.csv`).",
+        f"step. {big_text} (the alpha-beta model: from about {big[1]}); for 16 tokens (batch "
+        f"1 x sequence 16) from about h = {small[0]} (the model: about {small[1]}) "
+        "(`tp.csv`).",
         "",
     ]
     if (PLOTS / "memory.png").exists():
@@ -556,7 +584,10 @@ def write_report(scaling, validation, extrapolation, bench_times):
         "benchmarked configurations that have a core per rank within 20% of their measured step "
         f"time, and {len(inside)} of all {len(validation)} (`model_validation.csv`). Its inputs "
         "are measured in the same run: the FLOP rate from each benchmark's one-rank steps (less "
-        "the optimizer update, which does not divide), scaled by `flops.csv` for the ranks "
+        "the optimizer update, which does not divide, `update_cost.csv`; for tensor "
+        "parallelism a rate that grows with the size of the products, fitted over the sizes, "
+        "so that a rank's half-size products run at their own rate), scaled by `flops.csv` for "
+        "the ranks "
         "computing at once; alpha and beta from the ping-pong; the pipeline's time comes from "
         "replaying the actual schedule. The largest misses with a core per rank: " + "; ".join(
             f"{r['bench']} {r['config']}: predicted {r['predicted_ms']:.2f} ms, measured "
@@ -605,6 +636,7 @@ def main(argv=None):
         bench_times = {r["bench"]: float(r["seconds"]) for r in times}
     else:
         bench_times = run_benchmarks(args.quick)
+        (PLOTS / UPDATE_CSV).unlink(missing_ok=True)  # time the updates afresh, in this run
         write_csv("bench_times.csv", [dict(environment(), bench=k, seconds=round(v, 1))
                                       for k, v in bench_times.items()])
 
