@@ -181,6 +181,28 @@ def oversubscribed_alpha_beta():
     return a / 6, max(b, 0.0) / 1.5
 
 
+def lockstep_allreduce():
+    """seconds(n_bytes, ranks) of an allreduce between computations with more ranks than
+    cores, from what the "allreduce-lockstep" rows of plots/net.csv measured (4 ranks):
+    interpolated between the measured sizes, the smallest size's cost below them, the last
+    two sizes' slope beyond them; a group of p ranks makes lg p of lg 4 dependent exchanges
+    (MPICH's recursive doubling and halving), each waiting for a partner to be woken."""
+    import numpy as np
+
+    rows = [r for r in read_csv("net.csv") if r["kind"] == "allreduce-lockstep"]
+    ranks = int(rows[0]["ranks"])
+    n, t = zip(*sorted((int(r["bytes"]), _f(r, "seconds")) for r in rows))
+
+    def cost(n_bytes, p):
+        if n_bytes > n[-1]:
+            c = t[-1] + (n_bytes - n[-1]) * (t[-1] - t[-2]) / (n[-1] - n[-2])
+        else:
+            c = float(np.interp(n_bytes, n, t))
+        return c * math.log2(p) / math.log2(ranks)
+
+    return cost
+
+
 def validation_rows():
     """Measured step time of every benchmarked configuration beside the cost model's.
 
@@ -208,10 +230,16 @@ def validation_rows():
         if "share_mean" in rows[0] and isinstance(shared[p], dict):
             each[p] = {int(r["computing"]): _f(r, "share_mean") for r in rows}
     over_alpha, over_beta = oversubscribed_alpha_beta()
+    lockstep = lockstep_allreduce()
     out = []
 
     def links(ranks, alpha, beta):
         return (over_alpha, over_beta) if ranks > cores() else (alpha, beta)
+
+    def machine(rate, ranks, alpha, beta, **kw):  # this machine, as a run of `ranks` sees it
+        if ranks > cores():  # allreduces between layers at their measured cost there
+            return S.this_machine(rate, over_alpha, over_beta, allreduce=lockstep, **kw)
+        return S.this_machine(rate, alpha, beta, **kw)
 
     # data parallelism: MLP, P replicas; compute from the simulator, exchange by algorithm
     dp = read_csv("dp.csv")
@@ -235,6 +263,8 @@ def validation_rows():
         hw = S.this_machine(rate, alpha, beta, update_per_param=t_param[sizes])
         pred = S.predict(spec, hw, dp=p, global_batch=batch, dtype_bytes=4,
                          zero=int(r["mode"] == "zero1"), compute_share=shared[p])["compute_s"]
+        # one exchange of every gradient per step, after all the compute: each algorithm's
+        # formula (with more ranks than cores, alpha and beta fitted to lockstep allreduces)
         pred += allreduce_time(algo[r["mode"]], p, n_params * 4, alpha, beta, _f(r, "gamma"))
         out.append(dict(bench="dp", config=f"{r['mode']}, P={p}", ranks=p,
                         measured_ms=_f(r, "step_ms"), predicted_ms=pred * 1e3))
@@ -257,8 +287,8 @@ def validation_rows():
         spec = pp_spec(r)
         table = S.layer_table(spec, rows)
         t_micro = (serial_one[p] - sum(t["params"] for t in table) * pp_param) / p
-        hw = S.this_machine(3 * sum(t["flops"] for t in table) / p / t_micro,
-                            *links(p, alpha, beta), update_per_param=pp_param)
+        hw = machine(3 * sum(t["flops"] for t in table) / p / t_micro, p, alpha, beta,
+                     update_per_param=pp_param)
         pred = S.predict(spec, hw, pp=p, global_batch=rows * m, n_micro=m,
                          schedule=r["schedule"], dtype_bytes=4, compute_share=shared[p],
                          stage_share=each.get(p))
@@ -290,9 +320,9 @@ def validation_rows():
              for x in ones])
         work = 3 * S.layer_table(spec, b)[0]["flops"] / p  # one rank's share
         rate = work / (scale * work**power)  # the rate at the size of a rank's products
-        hw = S.this_machine(rate, *links(p, _f(r, "alpha"), _f(r, "beta")),
-                            layer_overhead=fixed / 3,  # one block: forward + 2 x backward
-                            update_per_param=tp_param[h])
+        hw = machine(rate, p, _f(r, "alpha"), _f(r, "beta"),
+                     layer_overhead=fixed / 3,  # one block: forward + 2 x backward
+                     update_per_param=tp_param[h])
         pred = S.predict(spec, hw, tp=p, global_batch=b, dtype_bytes=4, compute_share=shared[p])
         out.append(dict(bench="tp", config=f"h={h}, b={b}, s={s}, P={p}", ranks=p,
                         measured_ms=_f(r, "step_ms"), predicted_ms=pred["step_s"] * 1e3))
@@ -311,8 +341,8 @@ def validation_rows():
             update_one = int(r["params"]) * gpt_param[r["model"]]
             rate = 3 * sum(t["flops"] for t in S.layer_table(spec, batch)) / \
                 (_f(r, "serial_step_ms") / 1e3 - update_one)
-            hw = S.this_machine(rate, *links(int(r["ranks"]), alpha, beta),
-                                update_per_param=gpt_param[r["model"]])
+            hw = machine(rate, int(r["ranks"]), alpha, beta,
+                         update_per_param=gpt_param[r["model"]])
             pred = S.predict(spec, hw, int(r["dp"]), int(r["tp"]), int(r["pp"]), batch, m,
                              r["schedule"], dtype_bytes=4, compute_share=shared[int(r["ranks"])],
                              stage_share=each.get(int(r["ranks"])))

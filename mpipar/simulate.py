@@ -59,6 +59,15 @@ class Hardware:
     # seconds per parameter of a stage for the step's zero_grad and optimizer update (memory
     # bound: it grows with the parameters, not with the batch)
     update_per_param: float = 0.0
+    # seconds(n_bytes, ranks) of one allreduce, where measured costs replace the ring formula
+    # (ranks that share cores: see mpipar.report.lockstep_allreduce); None: the formula
+    allreduce: object = None
+
+    def allreduce_time(self, n_bytes, p, alpha, beta):
+        """One allreduce of n_bytes over p ranks: measured if given, else the ring formula."""
+        if self.allreduce is not None and p > 1:
+            return self.allreduce(n_bytes, p)
+        return ring_allreduce_time(n_bytes, p, alpha, beta)
 
 
 # Published peak figures, derated to 50% sustained for the FLOP rate (a typical
@@ -77,11 +86,11 @@ PRESETS = {
 
 
 def this_machine(flops, alpha, beta, memory=24 * 2**30, layer_overhead=0.0,
-                 update_per_param=0.0):
+                 update_per_param=0.0, allreduce=None):
     """The build machine: every link is shared memory, so one alpha and beta serve all."""
     return Hardware("this machine (measured)", flops, alpha, beta, alpha, beta, memory,
                     "FLOP rate and alpha/beta measured in the same run", layer_overhead,
-                    update_per_param)
+                    update_per_param, allreduce)
 
 
 # ----------------------------------------------------------------------------- the models
@@ -232,8 +241,8 @@ def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f
         compute_share = table_share[min(dp * tp * pp, max(table_share))]
     rate = hw.flops * (1.0 if table_share else compute_share)
     act_bytes = spec.message_bytes(micro_rows, dtype_bytes)  # one activation or its gradient
-    allreduce = ring_allreduce_time(act_bytes, tp, hw.tp_alpha, hw.tp_beta)
-    per_token = ring_allreduce_time(act_bytes / spec.d_model if isinstance(spec, GPTSpec)
+    allreduce = hw.allreduce_time(act_bytes, tp, hw.tp_alpha, hw.tp_beta)
+    per_token = hw.allreduce_time(act_bytes / spec.d_model if isinstance(spec, GPTSpec)
                                     else 0.0, tp, hw.tp_alpha, hw.tp_beta)
     backward_factor = 3.0 if recompute else 2.0
 
@@ -268,7 +277,7 @@ def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f
     busiest = int(np.argmax([n_micro * (f + b) for f, b in zip(fwd, bwd)]))
 
     grad_bytes = max(stage_params) * dtype_bytes
-    dp_time = ring_allreduce_time(grad_bytes, dp, hw.net_alpha, hw.net_beta)
+    dp_time = hw.allreduce_time(grad_bytes, dp, hw.net_alpha, hw.net_beta)
     # the optimizer update: of a stage's parameters, of 1/d of them with ZeRO-1
     update = max(stage_params) * hw.update_per_param / (dp if zero else 1) / compute_share
     total = pipeline_time + dp_time + update

@@ -55,6 +55,21 @@ def test_tensor_parallel_gpt_counts_every_allreduce_of_the_module():
     assert two["tp_comm_s"] == pytest.approx(m * ((4 * layers + 2) * big + 3 * small))
 
 
+def test_a_measured_allreduce_cost_replaces_the_ring_formula():
+    spec = S.GPTSpec(8, 64, 4, 3, 16, blocks_only=True)
+    calls = []
+
+    def measured(n_bytes, p):
+        calls.append((n_bytes, p))
+        return 1e-3
+
+    hw = S.this_machine(1e9, 1e-5, 1e-9, allreduce=measured)
+    two = S.predict(hw=hw, spec=spec, tp=2, global_batch=4)
+    assert two["tp_comm_s"] == pytest.approx(3 * 4 * 1e-3)
+    assert (4 * 16 * 64 * 2, 2) in calls
+    assert S.predict(spec, hw, tp=1, global_batch=4)["tp_comm_s"] == 0.0
+
+
 def test_memory_follows_korthikanti_and_zero():
     spec = S.GPTSpec(50, 64, 4, 2, 32)
     s, b, h, a = 32, 4, 64, 4
