@@ -216,7 +216,8 @@ def validation_rows():
     together, and, with more ranks than cores, by how many compute at each moment of the
     pipeline replay (:func:`mpipar.simulate.shared_replay`). alpha and beta come from the
     ping-pong, or, for runs with more ranks than cores, from allreduces between computations
-    on 4 ranks (:func:`oversubscribed_alpha_beta`)."""
+    on 4 ranks (:func:`oversubscribed_alpha_beta`), where the allreduces between layers cost
+    what those measured at their size (:func:`lockstep_allreduce`)."""
     from mpipar import simulate as S
     from mpipar.bench.net import fit_alpha_beta
     from mpipar.bench.net import predict as allreduce_time
