@@ -14,7 +14,10 @@ oversubscribed and marked so) in five modes: master (the seed's Reduce + Bcast),
 ring, allreduce with 2 MiB buckets and overlap, and ZeRO-1.
 
 Each launch builds all five trainers, warms them up and times them in interleaved rounds
-(so load from other work hits every mode alike): barrier, one step, the slowest rank's time;
+(so load from other work hits every mode alike): one untimed step (the trainer's 26 MB of
+weights, gradients and momentum come back into the caches that the other trainers' steps
+filled, as they stay between the steps of a training run; about 3.5 ms per step at P = 1 and
+2 alike), then barrier, one step, the slowest rank's time;
 the median over rounds and over three launches per rank count, run as P = 1, 2, 4, 1, 2, 4, ...
 (the machine may be shared: each row records the load average when the run began). Per step
 it also sums, from the timeline (mpipar.trace):
@@ -113,6 +116,8 @@ def worker(rounds, warmup):
     samples = {mode: [] for mode in MODES}
     for _ in range(rounds):
         for mode, dp in trainers.items():
+            dp.step(step)  # untimed: this trainer's arrays back in cache, as between the steps
+            step += 1  # of a training run, after another trainer's step evicted them
             dp_comm.Barrier()
             TRACE.clear()
             t0 = MPI.Wtime()
