@@ -60,7 +60,7 @@ class Hardware:
     # bound: it grows with the parameters, not with the batch)
     update_per_param: float = 0.0
     # seconds(n_bytes, ranks) of one allreduce, where measured costs replace the ring formula
-    # (ranks that share cores: see mpipar.report.lockstep_allreduce); None: the formula
+    # (ranks that share cores: see mpipar.validate.lockstep_allreduce); None: the formula
     allreduce: object = None
 
     def allreduce_time(self, n_bytes, p, alpha, beta):

@@ -26,7 +26,7 @@ three algorithms, measured and predicted by the alpha-beta(-gamma) formulas of R
    the allreduce waits for a partner to be woken up. What an iteration takes beyond the
    multiply alone (timed first, without collectives, while every rank multiplies) is what a
    collective costs ranks that share cores; the cost model fits its alpha and beta for such
-   runs to these times (:func:`mpipar.report.oversubscribed_alpha_beta`). In back-to-back
+   runs to these times (:func:`mpipar.validate.oversubscribed_alpha_beta`). In back-to-back
    allreduces (3.) every rank is already awake and this cost hardly shows.
 
 Other benchmarks call :func:`measure_alpha_beta` (and :func:`measure_gamma`, :func:`predict`)
