@@ -168,13 +168,12 @@ TP_ALLREDUCES = {nn.Block: (4, 0), nn.GPTEmbedding: (1, 0), nn.GPTHead: (1, 3)}
 
 
 def layer_table(spec, micro_rows, tp=1, dtype_bytes=2, recompute=False):
-    """Per layer: forward FLOPs for one micro-batch, parameters, whether it is a transformer
-    block, its tensor-parallel allreduces (of activations, of one number per token: see
-    ``TP_ALLREDUCES``), and the activation bytes it stashes."""
+    """Per layer: forward FLOPs for one micro-batch, parameters, its tensor-parallel allreduces
+    (of activations, of one number per token: see ``TP_ALLREDUCES``), and the activation bytes
+    it stashes."""
     model = spec.model()
     flops = model.layer_flops(spec.input_shape(micro_rows))
     return [dict(name=name, flops=f, params=sum(p.size for p in layer.parameters()),
-                 block=isinstance(layer, nn.Block),
                  tp_allreduces=TP_ALLREDUCES.get(type(layer), (0, 0)),
                  stash=spec.stash_bytes(layer, micro_rows, tp, dtype_bytes, recompute))
             for (name, layer), f in zip(model.layers, flops)]
