@@ -4,7 +4,7 @@ gradient communication beside its alpha-beta prediction.
     python -m mpipar.bench dp             # writes plots/dp.csv and plots/dp_speedup.png
 
 A compute-bound MLP (widths 64-1024-1024-1024-10, 2.2 M parameters, 8.7 MB of float32
-gradients) on the digits, global batch 1024 (about 105 ms per step on one rank), float32, one
+gradients) on the digits, global batch 1024 (about 100 ms per step on one rank), float32, one
 BLAS thread per rank. Every replica still zeroes its gradients and runs the whole optimizer
 update (about 4 ms here, whatever P), so by Amdahl's law P = 2 reaches 1.8x only when a
 step's compute C is above about 60 ms
