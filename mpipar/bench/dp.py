@@ -7,7 +7,7 @@ A compute-bound MLP (widths 64-1024-1024-1024-10, 2.2 M parameters, 8.7 MB of fl
 gradients) on the digits, global batch 1024 (about 100 ms per step on one rank), float32, one
 BLAS thread per rank. Every replica still zeroes its gradients and runs the whole optimizer
 update (about 4 ms here, whatever P), so by Amdahl's law P = 2 reaches 1.8x only when a
-step's compute C is above about 60 ms
+step's compute C is above about 68 ms
 ((C + 4) / (C/2 + 4 + 2 ms exposed communication) >= 1.8; batch 512 gives 53 ms). Trained by
 :class:`mpipar.data_parallel.DataParallel` on P = 1, 2 and 4 ranks (4 ranks on 2 cores are
 oversubscribed and marked so) in five modes: master (the seed's Reduce + Bcast), allreduce,
