@@ -27,6 +27,7 @@ from mpipar.bench.common import (  # noqa: E402 (after the thread settings above
     save_figure,
     write_csv,
 )
+from mpipar.bench.common import csv_float as _f  # noqa: E402
 from mpipar.validate import (  # noqa: E402
     UPDATE_CSV,
     plot_validation,
@@ -34,10 +35,6 @@ from mpipar.validate import (  # noqa: E402
 )
 
 BENCHES = ["engine", "flops", "net", "dp", "tp", "pp", "hybrid"]
-
-
-def _f(row, key):
-    return float(row[key])
 
 
 def _true(value):

@@ -25,10 +25,7 @@ from mpipar.bench.common import (
     save_figure,
     write_csv,
 )
-
-
-def _f(row, key):
-    return float(row[key])
+from mpipar.bench.common import csv_float as _f
 
 
 def fit_power(flops, seconds):
@@ -87,6 +84,11 @@ def update_cost(model, momentum=0.9, repeats=9, name=None):
     return _update_times[key]
 
 
+def lockstep_rows():
+    """The "allreduce-lockstep" rows of plots/net.csv: an allreduce between computations."""
+    return [r for r in read_csv("net.csv") if r["kind"] == "allreduce-lockstep"]
+
+
 def oversubscribed_alpha_beta():
     """alpha and beta that a 4-rank job on fewer cores really sees: fitted with the ring
     formula 6 alpha + 1.5 n beta to what an MPI Allreduce costs between computations there
@@ -94,7 +96,7 @@ def oversubscribed_alpha_beta():
     step of the collective waits for a partner to be woken)."""
     from mpipar.bench.net import fit_alpha_beta
 
-    rows = [r for r in read_csv("net.csv") if r["kind"] == "allreduce-lockstep"]
+    rows = lockstep_rows()
     a, b = fit_alpha_beta([int(r["bytes"]) for r in rows], [_f(r, "seconds") for r in rows])
     return a / 6, max(b, 0.0) / 1.5
 
@@ -107,7 +109,7 @@ def lockstep_allreduce():
     (MPICH's recursive doubling and halving), each waiting for a partner to be woken."""
     import numpy as np
 
-    rows = [r for r in read_csv("net.csv") if r["kind"] == "allreduce-lockstep"]
+    rows = lockstep_rows()
     ranks = int(rows[0]["ranks"])
     n, t = zip(*sorted((int(r["bytes"]), _f(r, "seconds")) for r in rows))
 
@@ -229,14 +231,17 @@ def validation_rows():
     per_call = max(fit_alpha_beta(list(n_values.values()), list(t_update.values()))[0], 0.0)
     tp_param = {h: max(t_update[h] - per_call, 0.0) / n_values[h] for h in t_update}
 
+    fits = {}  # batch -> (fixed, a, e) fitted to that step shape's one-rank steps
     for r in tp:
         h, b, s, p = int(r["hidden"]), int(r["batch"]), int(r["seq"]), int(r["ranks"])
         spec = block(r)
-        ones = [x for x in tp if x["batch"] == r["batch"] and x["ranks"] == "1"]
-        fixed, scale, power = fit_power(
-            [3 * S.layer_table(block(x), b)[0]["flops"] for x in ones],
-            [_f(x, "step_ms") / 1e3 - tp_param[int(x["hidden"])] * n_values[int(x["hidden"])]
-             for x in ones])
+        if b not in fits:
+            ones = [x for x in tp if x["batch"] == r["batch"] and x["ranks"] == "1"]
+            fits[b] = fit_power(
+                [3 * S.layer_table(block(x), b)[0]["flops"] for x in ones],
+                [_f(x, "step_ms") / 1e3 - tp_param[int(x["hidden"])] * n_values[int(x["hidden"])]
+                 for x in ones])
+        fixed, scale, power = fits[b]
         work = 3 * S.layer_table(spec, b)[0]["flops"] / p  # one rank's share
         rate = work / (scale * work**power)  # the rate at the size of a rank's products
         hw = machine(rate, p, _f(r, "alpha"), _f(r, "beta"),

@@ -59,6 +59,11 @@ def read_csv(name):
         return list(csv.DictReader(f))
 
 
+def csv_float(row, key):
+    """A field of a row from :func:`read_csv` as a number."""
+    return float(row[key])
+
+
 def median_time(fn, repeats=7, warmup=2):
     """Median wall time of fn() over repeats, after warm-up calls."""
     for _ in range(warmup):
