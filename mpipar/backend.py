@@ -54,3 +54,10 @@ def synchronize():
     """Wait for queued GPU work, so a buffer is complete before MPI reads it."""
     if xp is not np:
         xp.cuda.get_current_stream().synchronize()
+
+
+def cores():
+    """The CPU cores this process may run on (its affinity mask, else the machine's count)."""
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

@@ -22,6 +22,7 @@ import sys
 import time
 import traceback
 from collections import defaultdict
+from itertools import accumulate
 
 import numpy as np
 from mpi4py import MPI
@@ -66,8 +67,7 @@ def _ranks_per_core():
     local = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
     n_local = local.Get_size()
     local.Free()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return n_local / max(cores, 1)
+    return n_local / max(B.cores(), 1)
 
 
 # "sleep" when ranks outnumber cores, else "spin" (MPI's own Wait, lowest latency)
@@ -124,6 +124,10 @@ def _copy_back(host, dev):
         dev[...] = B.asarray(host)
 
 
+def _about(what):
+    return f"  ({what})" if what else ""
+
+
 def _fmt_bytes(n):
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1024 or unit == "GB":
@@ -134,9 +138,10 @@ def _fmt_bytes(n):
 class Request:
     """A posted non-blocking call; ``wait()`` completes it (without spinning) and records it."""
 
-    def __init__(self, comm, mpi_request, op, detail, nbytes, finish=None):
+    def __init__(self, comm, mpi_request, op, detail, nbytes, finish=None, what=""):
         self.comm, self.mpi_request = comm, mpi_request
         self.op, self.detail, self.nbytes, self.finish = op, detail, nbytes, finish
+        self.what = what
         self.t0 = MPI.Wtime()
         self.status = MPI.Status()
         self.complete = False  # MPI has finished the transfer
@@ -156,7 +161,7 @@ class Request:
                 self.complete = True
             if self.finish is not None:
                 self.finish(self.status)
-            self.comm._record(self.op, self.detail, self.nbytes, self.t0)
+            self.comm._record(self.op, self.detail, self.nbytes, self.t0, self.what)
             self.done = True
         return self.status
 
@@ -188,12 +193,22 @@ class Comm:
         s["recv"] += int(recv)
         s["messages"] += messages
 
-    def _record(self, op, detail, nbytes, t0):
+    def _record(self, op, detail, nbytes, t0, what=""):
         t1 = MPI.Wtime()
         TRACE.add(t0, t1, "comm", op, comm=self.name, detail=detail, bytes=nbytes)
         if EXPLAIN:
-            _say(f"[{self.name} rank {self.rank}] {op:<14} {detail:<34} {_fmt_bytes(nbytes):>9}"
-                 f"  {(t1 - t0) * 1e3:7.3f} ms")
+            self.say(f"{op:<14} {detail:<34} {_fmt_bytes(nbytes):>9}  {(t1 - t0) * 1e3:7.3f} ms"
+                     f"{_about(what)}")
+
+    def say(self, text):
+        """With --explain: one line prefixed by the world rank and this group's rank."""
+        if EXPLAIN:
+            _say(f"[rank {MPI.COMM_WORLD.Get_rank()}, {self.name} {self.rank}] {text}")
+
+    def posted(self, op, detail, nbytes, what):
+        """With --explain, name a non-blocking call when it is posted (it completes later,
+        in ``wait``, which prints the time it took): overlap is then visible."""
+        self.say(f"{op + ' posted':<14} {detail:<34} {_fmt_bytes(nbytes):>9}{_about(what)}")
 
     def reset_stats(self):
         self.stats.clear()
@@ -201,26 +216,29 @@ class Comm:
     def total(self, key, ops=None):
         return sum(s[key] for op, s in self.stats.items() if ops is None or op in ops)
 
-    def _blocking(self, req, op, detail, nbytes, t0, status=None):
-        wait(req, status)
-        self._record(op, detail, nbytes, t0)
+    def _blocking(self, req, op, detail, nbytes, t0, what=""):
+        wait(req)
+        self._record(op, detail, nbytes, t0, what)
 
     # -- point to point
-    def Send(self, buf, dest, tag=0):
-        check_array(buf, what=f"Send to {dest}")
-        self.Isend(buf, dest, tag).wait()
+    def Send(self, buf, dest, tag=0, what=""):
+        self.Isend(buf, dest, tag, what, posted=False).wait()
 
-    def Isend(self, buf, dest, tag=0):
+    def Isend(self, buf, dest, tag=0, what="", posted=True):
+        """Post a send (a synchronous one with MPIPAR_SSEND=1); ``.wait()`` completes it.
+        ``what`` names the data for --explain (a layer, a bucket, a micro-batch)."""
         check_array(buf, what=f"Isend to {dest}")
-        host = _host(buf)
         post = self.mpi.Issend if SSEND else self.mpi.Isend
         self._count("Send", sent=buf.nbytes, messages=1)
-        return Request(self, post(host, dest=dest, tag=tag), "Send", f"-> rank {dest}", buf.nbytes)
+        if posted:
+            self.posted("Isend", f"-> rank {dest}", buf.nbytes, what)
+        return Request(self, post(_host(buf), dest=dest, tag=tag), "Send", f"-> rank {dest}",
+                       buf.nbytes, what=what)
 
-    def Recv(self, buf, source, tag=0):
-        return self.Irecv(buf, source, tag).wait()
+    def Recv(self, buf, source, tag=0, what=""):
+        return self.Irecv(buf, source, tag, what, posted=False).wait()
 
-    def Irecv(self, buf, source, tag=0):
+    def Irecv(self, buf, source, tag=0, what="", posted=True):
         """Receive into ``buf``; a message of any other size than ``buf`` is an error."""
         check_array(buf, what=f"Recv from {source}")
         host, dev = _host_out(buf)
@@ -233,10 +251,12 @@ class Comm:
             _copy_back(host, dev)
 
         self._count("Recv", recv=buf.nbytes)
+        if posted:
+            self.posted("Irecv", f"<- rank {source}", buf.nbytes, what)
         req = self.mpi.Irecv(host, source=source, tag=tag)
-        return Request(self, req, "Recv", f"<- rank {source}", buf.nbytes, finish)
+        return Request(self, req, "Recv", f"<- rank {source}", buf.nbytes, finish, what)
 
-    def Sendrecv(self, sendbuf, dest, recvbuf, source, tag=0):
+    def Sendrecv(self, sendbuf, dest, recvbuf, source, tag=0, what=""):
         """Send to ``dest`` and receive from ``source`` at once: cannot deadlock in a ring."""
         check_array(sendbuf, what=f"Sendrecv to {dest}")
         check_array(recvbuf, what=f"Sendrecv from {source}")
@@ -248,7 +268,7 @@ class Comm:
         wait(rreq)
         _copy_back(host_in, dev)
         self._count("Sendrecv", sent=sendbuf.nbytes, recv=recvbuf.nbytes, messages=1)
-        self._record("Sendrecv", f"-> {dest}, <- {source}", sendbuf.nbytes, t0)
+        self._record("Sendrecv", f"-> {dest}, <- {source}", sendbuf.nbytes, t0, what)
 
     # -- collectives
     def Barrier(self):
@@ -256,7 +276,7 @@ class Comm:
         self._count("Barrier")
         self._blocking(self.mpi.Ibarrier(), "Barrier", "all ranks", 0, t0)
 
-    def Bcast(self, buf, root=0):
+    def Bcast(self, buf, root=0, what=""):
         """Every rank's ``buf`` becomes root's."""
         check_array(buf, what="Bcast")
         t0 = MPI.Wtime()
@@ -264,10 +284,11 @@ class Comm:
         n = buf.nbytes
         self._count("Bcast", sent=n * (self.size - 1) if self.rank == root else 0,
                     recv=0 if self.rank == root else n)
-        self._blocking(self.mpi.Ibcast(host, root=root), "Bcast", f"root {root} -> all", n, t0)
+        self._blocking(self.mpi.Ibcast(host, root=root), "Bcast", f"root {root} -> all", n, t0,
+                       what)
         _copy_back(host, dev)
 
-    def Reduce(self, sendbuf, recvbuf, op=MPI.SUM, root=0):
+    def Reduce(self, sendbuf, recvbuf, op=MPI.SUM, root=0, what=""):
         """``recvbuf`` on root = op over every rank's ``sendbuf`` (recvbuf ignored elsewhere)."""
         check_array(sendbuf, what="Reduce")
         t0 = MPI.Wtime()
@@ -278,26 +299,28 @@ class Comm:
         n = sendbuf.nbytes
         self._count("Reduce", sent=0 if is_root else n, recv=n * (self.size - 1) if is_root else 0)
         req = self.mpi.Ireduce(_host(sendbuf), host_out, op=op, root=root)
-        self._blocking(req, "Reduce", f"all -> root {root}", n, t0)
+        self._blocking(req, "Reduce", f"all -> root {root}", n, t0, what)
         if is_root:
             _copy_back(host_out, dev)
 
-    def Allreduce(self, buf, op=MPI.SUM):
+    def Allreduce(self, buf, op=MPI.SUM, what=""):
         """In place: every rank's ``buf`` becomes op over all ranks' ``buf``."""
-        self.Iallreduce(buf, op).wait()
+        self.Iallreduce(buf, op, what, posted=False).wait()
 
-    def Iallreduce(self, buf, op=MPI.SUM):
+    def Iallreduce(self, buf, op=MPI.SUM, what="", posted=True):
         """Non-blocking in-place Allreduce; call ``.wait()`` on the result before reading buf."""
         check_array(buf, what="Allreduce")
         host, dev = _host_out(buf)
         if dev is not None:
             host[...] = _host(buf)
         self._count("Allreduce", sent=buf.nbytes, recv=buf.nbytes)
+        if posted:
+            self.posted("Iallreduce", f"all <-> all ({self.size})", buf.nbytes, what)
         req = self.mpi.Iallreduce(MPI.IN_PLACE, host, op=op)
         return Request(self, req, "Allreduce", f"all <-> all ({self.size})", buf.nbytes,
-                       lambda status: _copy_back(host, dev))
+                       lambda status: _copy_back(host, dev), what)
 
-    def Allgather(self, sendbuf, recvbuf):
+    def Allgather(self, sendbuf, recvbuf, what=""):
         """recvbuf (size * len(sendbuf) along axis 0) = every rank's sendbuf, in rank order."""
         check_array(sendbuf, what="Allgather")
         check_array(recvbuf, (self.size * sendbuf.shape[0],) + sendbuf.shape[1:], sendbuf.dtype,
@@ -307,10 +330,11 @@ class Comm:
         self._count("Allgather", sent=sendbuf.nbytes,
                     recv=recvbuf.nbytes - sendbuf.nbytes)
         req = self.mpi.Iallgather(_host(sendbuf), host_out)
-        self._blocking(req, "Allgather", f"all <-> all ({self.size})", recvbuf.nbytes, t0)
+        self._blocking(req, "Allgather", f"all <-> all ({self.size})", recvbuf.nbytes, t0,
+                       what)
         _copy_back(host_out, dev)
 
-    def Reduce_scatter(self, sendbuf, recvbuf, op=MPI.SUM):
+    def Reduce_scatter(self, sendbuf, recvbuf, op=MPI.SUM, what=""):
         """Sum sendbuf over ranks and give rank r block r (equal blocks along axis 0)."""
         check_array(sendbuf, what="Reduce_scatter")
         check_array(recvbuf, (sendbuf.shape[0] // self.size,) + sendbuf.shape[1:],
@@ -319,10 +343,11 @@ class Comm:
         host_out, dev = _host_out(recvbuf)
         self._count("Reduce_scatter", sent=sendbuf.nbytes, recv=recvbuf.nbytes)
         req = self.mpi.Ireduce_scatter_block(_host(sendbuf), host_out, op=op)
-        self._blocking(req, "Reduce_scatter", f"all <-> all ({self.size})", sendbuf.nbytes, t0)
+        self._blocking(req, "Reduce_scatter", f"all <-> all ({self.size})", sendbuf.nbytes, t0,
+                       what)
         _copy_back(host_out, dev)
 
-    def Scatterv(self, sendbuf, counts, recvbuf, root=0):
+    def Scatterv(self, sendbuf, counts, recvbuf, root=0, what=""):
         """Root splits sendbuf along axis 0 into ``counts[r]`` rows for rank r."""
         check_array(recvbuf, what="Scatterv result")
         row = int(np.prod(recvbuf.shape[1:]))
@@ -332,7 +357,7 @@ class Comm:
         t0 = MPI.Wtime()
         is_root = self.rank == root
         elems = [c * row for c in counts]
-        displs = np.concatenate(([0], np.cumsum(elems)[:-1])).tolist()
+        displs = offsets(elems)
         send = None
         if is_root:
             check_array(sendbuf, what="Scatterv")
@@ -342,17 +367,17 @@ class Comm:
                     recv=0 if is_root else recvbuf.nbytes)
         req = self.mpi.Iscatterv(send, host_out, root=root)
         self._blocking(req, "Scatterv", f"root {root} -> all, rows {list(counts)}",
-                       recvbuf.nbytes, t0)
+                       recvbuf.nbytes, t0, what)
         _copy_back(host_out, dev)
 
-    def Gatherv(self, sendbuf, counts, recvbuf, root=0):
+    def Gatherv(self, sendbuf, counts, recvbuf, root=0, what=""):
         """Root collects ``counts[r]`` rows from rank r into recvbuf, in rank order."""
         check_array(sendbuf, what="Gatherv")
         row = int(np.prod(sendbuf.shape[1:]))
         t0 = MPI.Wtime()
         is_root = self.rank == root
         elems = [c * row for c in counts]
-        displs = np.concatenate(([0], np.cumsum(elems)[:-1])).tolist()
+        displs = offsets(elems)
         recv, host_out, dev = None, None, None
         if is_root:
             check_array(recvbuf, what="Gatherv result")
@@ -361,18 +386,21 @@ class Comm:
         self._count("Gatherv", sent=0 if is_root else sendbuf.nbytes,
                     recv=(recvbuf.nbytes - sendbuf.nbytes) if is_root else 0)
         req = self.mpi.Igatherv(_host(sendbuf), recv, root=root)
-        self._blocking(req, "Gatherv", f"all -> root {root}", sendbuf.nbytes, t0)
+        self._blocking(req, "Gatherv", f"all -> root {root}", sendbuf.nbytes, t0, what)
         if is_root:
             _copy_back(host_out, dev)
 
     # -- small metadata (pickled, lower-case): never for arrays
-    def bcast_obj(self, obj, root=0):
+    def bcast_obj(self, obj, root=0, what=""):
+        self.say(f"{'bcast':<14} root {root} -> all (pickled){_about(what)}")
         return self.mpi.bcast(obj, root=root)
 
-    def gather_obj(self, obj, root=0):
+    def gather_obj(self, obj, root=0, what=""):
+        self.say(f"{'gather':<14} all -> root {root} (pickled){_about(what)}")
         return self.mpi.gather(obj, root=root)
 
-    def allgather_obj(self, obj):
+    def allgather_obj(self, obj, what=""):
+        self.say(f"{'allgather':<14} all <-> all (pickled){_about(what)}")
         return self.mpi.allgather(obj)
 
 
@@ -402,3 +430,25 @@ def log(*args):
 def split_rows(n, p):
     """Rows per rank when n rows are split over p ranks as evenly as possible."""
     return [n // p + (1 if r < n % p else 0) for r in range(p)]
+
+
+def offsets(counts):
+    """Where each of consecutive pieces of these sizes starts: [0, c0, c0 + c1, ...]."""
+    return list(accumulate(counts, initial=0))[:-1]
+
+
+def flatten(arrays, out=None):
+    """Copy arrays one after another into the contiguous 1-D buffer ``out`` (a new one if
+    None): MPI refuses non-contiguous memory, and one large message beats many small ones."""
+    if out is None:
+        out = B.xp.empty(sum(a.size for a in arrays), dtype=arrays[0].dtype if arrays
+                         else B.dtype)
+    for a, start in zip(arrays, offsets([a.size for a in arrays])):
+        out[start:start + a.size] = a.reshape(-1)
+    return out
+
+
+def unflatten(flat, arrays):
+    """The inverse of :func:`flatten`: copy consecutive pieces of ``flat`` back into arrays."""
+    for a, start in zip(arrays, offsets([a.size for a in arrays])):
+        a[...] = flat[start:start + a.size].reshape(a.shape)

@@ -1,7 +1,7 @@
 """Data parallelism: P replicas of the whole model, each trained on a shard of the global batch,
 with the gradients summed over the replicas so that every step equals the serial one.
 
-The seed's scheme (``--sync master``, the default), one banner per step below:
+The seed's scheme (:class:`MasterScheme`, ``--sync master``, the default), one banner per step:
 
 1. The master (rank 0) builds the model and sends every parameter to every worker with Bcast.
    The workers build a model too (they need its shapes), but the Bcast overwrites its values.
@@ -16,11 +16,13 @@ The seed's scheme (``--sync master``, the default), one banner per step below:
 In steps 4 and 5 all gradients (all parameters) travel as ONE contiguous flat buffer: one
 Reduce and one Bcast of |theta| values per step instead of one call per tensor.
 
-The production variants, each a flag, each giving the same parameters as the serial trainer:
+The production variants, each its own class below (the flag that picks it in brackets), each
+giving the same parameters as the serial trainer:
 
-- ``--sync allreduce``: step 2 without Scatterv (every rank makes the global batch from
-  (seed, step) and takes its own rows), step 4 an Allreduce of the gradients after which every
-  rank updates its own replica with the same numbers; step 5 is not needed.
+- :class:`AllreduceScheme` (``--sync allreduce``): step 2 without Scatterv (every rank makes
+  the global batch from (seed, step) and takes its own rows), step 4 an Allreduce of the
+  gradients after which every rank updates its own replica with the same numbers; step 5 is
+  not needed.
 - ``--sync ring``: the same with :func:`ring_allreduce`, written by hand from Sendrecv:
   reduce-scatter around the ring, then allgather (Patarasuk & Yuan 2009; Horovod).
 - ``--bucket-mb X``: gradients grouped into buckets of about X MiB in reverse parameter order,
@@ -28,15 +30,17 @@ The production variants, each a flag, each giving the same parameters as the ser
   the backward has produced its last gradient, and waits once before the optimizer step
   (PyTorch DDP, Li et al. 2020, arXiv:2006.15704, section 3.2.3). The backward then runs layer
   by layer over ``model.layers`` (:func:`backward_layers`) to see which buckets are complete.
-- ``--zero 1``: ZeRO stage 1 (Rajbhandari et al. 2020, arXiv:1910.02054, section 5.1): the
-  gradients are reduce-scattered, each rank updates only its 1/P shard of the flat parameters
-  (optimizer state per rank falls by P), then the parameters are allgathered (in step 5).
+- :class:`ZeroScheme` (``--zero 1``): ZeRO stage 1 (Rajbhandari et al. 2020,
+  arXiv:1910.02054, section 5.1): the gradients are reduce-scattered, each rank updates only
+  its 1/P shard of the flat parameters (optimizer state per rank falls by P), then the
+  parameters are allgathered (in step 5).
 - ``--micro-batches m``: each rank splits its shard into m micro-batches and accumulates their
   gradients before the synchronisation (with ``--overlap``, buckets start during the last one).
 - ``--explain``: for the first step, every rank prints each seed step and each MPI call it
-  makes: partners, bytes, time.
+  makes: partners, bytes, time, and the bucket or ring phase it belongs to.
 
-Communication per rank per step, n = |theta| bytes (alpha-beta costs: ../REFERENCE.md table):
+Communication per rank per step, n = |theta| bytes (alpha-beta(-gamma) costs, Thakur et al. 2005;
+:func:`mpipar.bench.net.predict` computes them):
 
     master     worker: sends n (Reduce), receives n (Bcast) and its rows (Scatterv);
                root: receives (P-1) n and sends (P-1) n  -- the root is the bottleneck.
@@ -59,43 +63,24 @@ compression, mixed precision, bucketed ZeRO, an overlapped ring (the hand-writte
 blocking: overlapping it needs a communication thread), and asynchronous (stale) updates.
 """
 
-import argparse
 import math
 
 from mpipar import backend as B
 from mpipar import comm, nn, serial
-from mpipar.grid import Grid
+from mpipar.comm import flatten, unflatten
 from mpipar.trace import TRACE
 
 
 # ----------------------------------------------------------------------------- communication
-def flatten(arrays, out):
-    """Copy arrays one after another into the contiguous 1-D buffer ``out`` (MPI refuses
-    non-contiguous memory, and one large message beats many small ones)."""
-    i = 0
-    for a in arrays:
-        out[i:i + a.size] = a.reshape(-1)
-        i += a.size
-    return out
-
-
-def unflatten(flat, arrays):
-    """The inverse of :func:`flatten`: copy consecutive pieces of ``flat`` back into arrays."""
-    i = 0
-    for a in arrays:
-        a[...] = flat[i:i + a.size].reshape(a.shape)
-        i += a.size
-
-
 def bcast_params(dp_comm, params, flat, root=0):
     """Every rank's parameters become root's: one Bcast of the flat buffer of all of them."""
     if dp_comm.rank == root:
         flatten([p.data for p in params], flat)
-    dp_comm.Bcast(flat, root=root)
+    dp_comm.Bcast(flat, root=root, what=f"all {len(params)} parameters, flat")
     unflatten(flat, [p.data for p in params])
 
 
-def ring_allreduce(dp_comm, buf):
+def ring_allreduce(dp_comm, buf, what="buffer"):
     """In place: ``buf`` (1-D, contiguous) becomes the SUM of every rank's ``buf``.
 
     The buffer is cut into P chunks (``array_split``: sizes differ by at most one element).
@@ -118,10 +103,14 @@ def ring_allreduce(dp_comm, buf):
     for k in range(p - 1):  # reduce-scatter
         send, mine = chunks[(r - k) % p], chunks[(r - k - 1) % p]
         got = incoming[:mine.size]
-        dp_comm.Sendrecv(send, right, got, left)
+        dp_comm.Sendrecv(send, right, got, left,
+                         what=f"{what}: ring reduce-scatter step {k + 1}, chunk {(r - k) % p} "
+                              f"out, {(r - k - 1) % p} in")
         mine += got
     for k in range(p - 1):  # allgather
-        dp_comm.Sendrecv(chunks[(r + 1 - k) % p], right, chunks[(r - k) % p], left)
+        dp_comm.Sendrecv(chunks[(r + 1 - k) % p], right, chunks[(r - k) % p], left,
+                         what=f"{what}: ring allgather step {k + 1}, chunk {(r + 1 - k) % p} "
+                              f"out, {(r - k) % p} in")
     return buf
 
 
@@ -147,14 +136,11 @@ class Bucket:
     ``gradient_as_bucket_view``): backward accumulates straight into the buffer that is
     allreduced, and the sums land where the optimizer reads them, with no copy either way."""
 
-    def __init__(self, params):
-        self.params = params
-        self.flat = B.xp.empty(sum(p.size for p in params), dtype=params[0].data.dtype)
-        flatten([p.grad for p in params], self.flat)  # keep what the gradients hold now
-        i = 0
-        for p in params:
-            p.grad = self.flat[i:i + p.size].reshape(p.grad.shape)  # a contiguous view
-            i += p.size
+    def __init__(self, params, name):
+        self.params, self.name = params, name
+        self.flat = flatten([p.grad for p in params])  # keep what the gradients hold now
+        for p, start in zip(params, comm.offsets([p.size for p in params])):
+            p.grad = self.flat[start:start + p.size].reshape(p.grad.shape)  # a contiguous view
         self.request = None
 
 
@@ -185,7 +171,9 @@ class GradSync:
             raise ValueError("overlap needs the non-blocking Iallreduce (algo='allreduce')")
         self.comm, self.algo, self.overlap = dp_comm, algo, overlap
         cap = None if bucket_mb is None else bucket_mb * 2**20
-        self.buckets = [Bucket(ps) for ps in make_buckets(list(params), cap)]
+        groups = make_buckets(list(params), cap)
+        self.buckets = [Bucket(ps, f"gradient bucket {i + 1} of {len(groups)}")
+                        for i, ps in enumerate(groups)]
         self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
         self.start()
 
@@ -209,9 +197,9 @@ class GradSync:
         self.n_launched += 1
         self.launched_after.append(self.n_ready)
         if self.algo == "allreduce":
-            b.request = self.comm.Iallreduce(b.flat)
+            b.request = self.comm.Iallreduce(b.flat, what=b.name)
         else:
-            ring_allreduce(self.comm, b.flat)
+            ring_allreduce(self.comm, b.flat, what=b.name)
 
     def finish(self):
         while self.n_launched < len(self.buckets):
@@ -258,13 +246,13 @@ class ZeroOptimizer:
     def reduce_scatter_grads(self):
         """shard.grad = the sum over ranks of this rank's block of the flat gradient."""
         flatten([p.grad for p in self.params], self.flat)  # padding stays zero
-        self.comm.Reduce_scatter(self.flat, self.shard.grad)
+        self.comm.Reduce_scatter(self.flat, self.shard.grad, what="every gradient, flat, padded")
 
     def update(self):
         self.opt.step()
 
     def allgather_params(self):
-        self.comm.Allgather(self.shard.data, self.flat)
+        self.comm.Allgather(self.shard.data, self.flat, what="every rank's updated shard")
         unflatten(self.flat[:self.n], [p.data for p in self.params])
 
     def step(self):
@@ -277,206 +265,190 @@ class ZeroOptimizer:
 
 
 # ----------------------------------------------------------------------------- the scheme
-class DataParallel:
-    """One replica of the data-parallel trainer: ``__init__`` is step 1, :meth:`step` runs
-    steps 2 to 5 for one global batch and returns the global loss."""
+class Replica:
+    """What every variant shares: a whole replica on each rank, made equal by Step 1, and the
+    forward and backward of Step 3. Each variant below is a subclass whose :meth:`step` runs
+    Steps 2 to 5 for one global batch and returns the global loss."""
 
-    def __init__(self, args, task, dp_comm, model):
-        self.args, self.task, self.comm, self.model = args, task, dp_comm, model
-        self.params = model.parameters()
-        self.rank, self.size = dp_comm.rank, dp_comm.size
-        self.is_master = self.rank == 0
+    def __init__(self, task, grid, args, model=None):
+        self.args, self.task, self.comm = args, task, grid.dp_comm
+        self.model = task.build_model().init(args.seed) if model is None else model
+        self.params = self.model.parameters()
+        self.rank, self.size = self.comm.rank, self.comm.size
         self.rows = comm.split_rows(args.batch_size, self.size)  # rows of the batch per rank
         self.n = sum(p.size for p in self.params)
         self.flat = B.xp.empty(self.n, dtype=B.dtype)  # all parameters (or gradients), flat
-        self.meta = None  # trailing shapes and dtypes of x and y, learned from the master
-        self.sync = None
-        comm.EXPLAIN = bool(args.explain)
 
         # -- DP Step 1: the master sends every parameter to every worker (Bcast) --
         comm.narrate(f"DP Step 1: rank 0 broadcasts all {self.n:,} parameters "
                      f"({self.flat.nbytes:,} bytes, one flat buffer); workers overwrite theirs")
-        bcast_params(dp_comm, self.params, self.flat, root=0)
-        if args.sync == "master":  # only the master updates, so only it keeps optimizer state
-            self.opt = serial.make_optimizer(args, self.params) if self.is_master else None
-            self.flat_sum = B.xp.empty_like(self.flat) if self.is_master else None
-        elif args.zero:
-            self.opt = ZeroOptimizer(dp_comm, self.params,
-                                     lambda ps: serial.make_optimizer(args, ps))
-        else:
-            self.opt = serial.make_optimizer(args, self.params)
-            self.sync = GradSync(dp_comm, self.params, args.sync, args.bucket_mb, args.overlap)
+        bcast_params(self.comm, self.params, self.flat, root=0)
 
-    def step(self, step):
-        a, task, dp_comm, r = self.args, self.task, self.comm, self.rank
-        self.model.zero_grad()
-        n_rows, lo = self.rows[r], sum(self.rows[:r])
+    def own_rows(self, step):
+        """Step 2 without a message: every rank makes the global batch from (seed, step) and
+        takes its own rows. Returns x, y and the target count of the GLOBAL batch."""
+        r, n_rows = self.rank, self.rows[self.rank]
+        lo = sum(self.rows[:r])
+        comm.narrate(f"DP Step 2: no message: rank {r} takes rows {lo}..{lo + n_rows - 1} "
+                     f"of the global batch, which every rank makes from (seed, step)")
+        x_host, y_host = self.task.batch(step)
+        x, y = self.task.to_device(x_host[lo:lo + n_rows], y_host[lo:lo + n_rows])
+        return x, y, y_host.size
 
-        # -- DP Step 2: the master splits the global batch along the batch dimension (Scatterv) --
-        if a.sync == "master":
-            comm.narrate(f"DP Step 2: rank 0 scatters the {a.batch_size} rows of the global "
-                         f"batch, {self.rows} rows per rank")
-            with TRACE.span("sync", "DP Step 2"):
-                x_all = y_all = None
-                if self.is_master:
-                    x_all, y_all = task.to_device(*task.batch(step))
-                if self.meta is None:  # once: the trailing shapes and dtypes of x and y
-                    self.meta = dp_comm.bcast_obj(
-                        (x_all.shape[1:], x_all.dtype.str, y_all.shape[1:], y_all.dtype.str)
-                        if self.is_master else None)
-                x_tail, x_dtype, y_tail, y_dtype = self.meta
-                x = B.xp.empty((n_rows,) + x_tail, dtype=x_dtype)  # (rows, ...)
-                y = B.xp.empty((n_rows,) + y_tail, dtype=y_dtype)
-                dp_comm.Scatterv(x_all, self.rows, x)
-                dp_comm.Scatterv(y_all, self.rows, y)
-            normalizer = a.batch_size * math.prod(y_tail)  # targets in the GLOBAL batch
-        else:  # every rank can make the global batch from (seed, step): take own rows
-            comm.narrate(f"DP Step 2: no message: rank {r} takes rows {lo}..{lo + n_rows - 1} "
-                         f"of the global batch, which every rank makes from (seed, step)")
-            x_host, y_host = task.batch(step)
-            x, y = task.to_device(x_host[lo:lo + n_rows], y_host[lo:lo + n_rows])
-            normalizer = y_host.size  # targets in the GLOBAL batch
-
-        # -- DP Step 3: each worker runs forward and backward on its shard --
-        comm.narrate(f"DP Step 3: rank {r} runs forward and backward on its {n_rows} rows in "
-                     f"{a.micro_batches} micro-batch(es); loss divided by the global "
-                     f"{normalizer} targets")
-        loss = 0.0
-        micro_rows = comm.split_rows(n_rows, a.micro_batches)
-        start = 0
-        for micro_id, m_rows in enumerate(micro_rows):
+    def forward_backward(self, x, y, normalizer, sync=None):
+        """Step 3 on this rank's rows, in ``--micro-batches`` pieces whose gradients add up.
+        The loss is divided by ``normalizer``, the target count of the GLOBAL batch, so the
+        replicas' gradients sum to the serial gradient. With ``sync`` (overlap), the last
+        backward runs layer by layer and tells it which gradients are final."""
+        micro_rows = comm.split_rows(x.shape[0], self.args.micro_batches)
+        comm.narrate(f"DP Step 3: rank {self.rank} runs forward and backward on its "
+                     f"{x.shape[0]} rows in {len(micro_rows)} micro-batch(es); loss divided by "
+                     f"the global {normalizer} targets")
+        loss, loss_fn = 0.0, self.task.loss_fn
+        for micro_id, (lo, n) in enumerate(zip(comm.offsets(micro_rows), micro_rows)):
             with TRACE.span("compute", "forward", micro=micro_id):
-                xs, ys = x[start:start + m_rows], y[start:start + m_rows]
-                start += m_rows
-                logits = self.model.forward(xs, micro_id)
-                loss += task.loss_fn.forward(logits, ys, normalizer, micro_id)
+                logits = self.model.forward(x[lo:lo + n], micro_id)
+                loss += loss_fn.forward(logits, y[lo:lo + n], normalizer, micro_id)
             with TRACE.span("compute", "backward", micro=micro_id):
-                dlogits = task.loss_fn.backward(1.0, micro_id)
-                if self.sync is not None and self.sync.overlap and micro_id == len(micro_rows) - 1:
-                    self.sync.start()  # gradients become final during this backward
-                    backward_layers(self.model, dlogits, micro_id, self.sync.grads_ready)
+                dlogits = loss_fn.backward(1.0, micro_id)
+                if sync is not None and micro_id == len(micro_rows) - 1:
+                    sync.start()  # the gradients become final during this backward
+                    backward_layers(self.model, dlogits, micro_id, sync.grads_ready)
                 else:
                     self.model.backward(dlogits, micro_id)
+        return loss
 
-        # -- DP Step 4: the gradients are summed (Reduce to the master) and the model updated --
-        if a.sync == "master":
-            comm.narrate(f"DP Step 4: Reduce(SUM) of {self.n:,} gradient values "
-                         f"({self.flat.nbytes:,} bytes) to rank 0, which updates the model")
-            with TRACE.span("sync", "DP Step 4"):
-                flatten([p.grad for p in self.params], self.flat)
-                dp_comm.Reduce(self.flat, self.flat_sum, root=0)
-            if self.is_master:
-                unflatten(self.flat_sum, [p.grad for p in self.params])
-                self.opt.step()
-        elif a.zero:
-            comm.narrate(f"DP Step 4: Reduce_scatter of the gradients; rank {r} updates its "
-                         f"shard of {self.opt.shard_size:,} values")
-            with TRACE.span("sync", "DP Step 4"):
-                self.opt.reduce_scatter_grads()
-            self.opt.update()
-        else:
-            comm.narrate(f"DP Step 4: {a.sync} of the gradients in {len(self.sync.buckets)} "
-                         f"bucket(s); every rank applies the same update to its replica")
-            with TRACE.span("sync", "DP Step 4"):
-                self.sync.finish()
-            self.opt.step()
+    def global_loss(self, loss):
+        """The sum of the replicas' losses (small metadata: P floats, pickled)."""
+        return sum(self.comm.allgather_obj(loss, what="the replicas' losses, to print"))
 
-        # -- DP Step 5: the master broadcasts the updated parameters for the next batch --
-        with TRACE.span("sync", "DP Step 5"):
-            if a.sync == "master":
-                comm.narrate("DP Step 5: rank 0 broadcasts the updated parameters")
-                bcast_params(dp_comm, self.params, self.flat, root=0)
-            elif a.zero:
-                comm.narrate(f"DP Step 5: Allgather of the updated shards ({self.flat.nbytes:,}"
-                             " bytes of parameters in all)")
-                self.opt.allgather_params()
-            else:
-                comm.narrate("DP Step 5: nothing to send: every replica made the same update")
-        if step == 0:
-            comm.EXPLAIN = False
-        return sum(dp_comm.allgather_obj(loss))  # small metadata: P floats
+    def full_params(self):
+        """Every replica holds the whole model: rank 0's, under the serial names."""
+        if self.rank != 0:
+            return None
+        return {name: B.to_numpy(p.data).copy() for name, p in self.model.named_parameters()}
 
     def optimizer_state_bytes(self):
         return 0 if self.opt is None else self.opt.state_bytes()
 
 
-# ----------------------------------------------------------------------------- command line
-def parse_args(argv, dp_size):
-    """The serial trainer's flags plus the data-parallel ones. Every rank runs the same checks
-    and refuses bad input with one message (comm.refuse), so none is left waiting."""
-    ap = argparse.ArgumentParser(prog="mpirun -n P python -m mpipar.data_parallel",
-                                 description="Train with P data-parallel replicas.")
-    serial.add_common_args(ap)
-    g = ap.add_argument_group("data parallelism")
-    g.add_argument("--sync", default="master", choices=["master", "allreduce", "ring"],
-                   help="master: the seed's Reduce + Bcast through rank 0 (default); allreduce: "
-                        "MPI Allreduce; ring: a ring allreduce written from Sendrecv")
-    g.add_argument("--bucket-mb", type=float, default=None,
-                   help="gradient buckets of about X MiB, reverse layer order (default: one "
-                        "bucket; 25 with --overlap, as PyTorch DDP)")
-    g.add_argument("--overlap", action="store_true",
-                   help="start each bucket's Iallreduce during backward (--sync allreduce)")
-    g.add_argument("--zero", type=int, default=0, choices=[0, 1],
-                   help="1: shard the optimizer state over the ranks (ZeRO stage 1)")
-    g.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps")
-    g.add_argument("--explain", action="store_true",
-                   help="narrate the first step: each seed step and each MPI call, every rank")
-    args = ap.parse_args(argv)
-    serial.finish_args(args)
-    if args.micro_batches < 1:
-        comm.refuse(f"--micro-batches must be at least 1, got {args.micro_batches}")
-    if args.batch_size < dp_size * args.micro_batches:
-        comm.refuse(f"the global batch of {args.batch_size} rows cannot be split over "
-                    f"{dp_size} ranks x {args.micro_batches} micro-batch(es): every rank needs "
-                    f"at least one row per micro-batch (use --batch-size >= "
-                    f"{dp_size * args.micro_batches}, or fewer ranks)")
-    if args.zero and args.sync == "master":
-        comm.refuse("--zero 1 shards the optimizer over every rank, but with --sync master only "
-                    "rank 0 updates: use --sync allreduce --zero 1")
-    if args.zero and (args.bucket_mb is not None or args.overlap or args.sync == "ring"):
-        comm.refuse("--zero 1 uses one Reduce_scatter and one Allgather of the whole flat "
-                    "buffer: use it with --sync allreduce and without --bucket-mb/--overlap")
-    if args.overlap and args.sync != "allreduce":
-        comm.refuse(f"--overlap needs the non-blocking Iallreduce of --sync allreduce "
-                    f"(got --sync {args.sync})")
-    if args.bucket_mb is not None and (args.bucket_mb <= 0 or args.sync == "master"):
-        comm.refuse(f"--bucket-mb must be positive and needs --sync allreduce or ring "
-                    f"(got {args.bucket_mb} with --sync {args.sync})")
-    if args.overlap and args.bucket_mb is None:
-        args.bucket_mb = 25.0  # PyTorch DDP's default bucket size
-    return args
+class MasterScheme(Replica):
+    """The seed's scheme (``--sync master``): the master (rank 0) scatters the batch, sums the
+    gradients with Reduce, updates, and broadcasts the parameters. Only it keeps an optimizer."""
+
+    def __init__(self, task, grid, args, model=None):
+        super().__init__(task, grid, args, model)
+        self.is_master = self.rank == 0
+        self.opt = serial.make_optimizer(args, self.params) if self.is_master else None
+        self.flat_sum = B.xp.empty_like(self.flat) if self.is_master else None
+        self.meta = None  # trailing shapes and dtypes of x and y, learned from the master
+
+    def step(self, step):
+        dp_comm, r = self.comm, self.rank
+        self.model.zero_grad()
+
+        # -- DP Step 2: the master splits the global batch along the batch dimension (Scatterv) --
+        comm.narrate(f"DP Step 2: rank 0 scatters the {self.args.batch_size} rows of the global "
+                     f"batch, {self.rows} rows per rank")
+        with TRACE.span("sync", "DP Step 2"):
+            x_all = y_all = None
+            if self.is_master:
+                x_all, y_all = self.task.to_device(*self.task.batch(step))
+            if self.meta is None:  # once: the trailing shapes and dtypes of x and y
+                self.meta = dp_comm.bcast_obj(
+                    (x_all.shape[1:], x_all.dtype.str, y_all.shape[1:], y_all.dtype.str)
+                    if self.is_master else None, what="the batch's shapes and dtypes, once")
+            x_tail, x_dtype, y_tail, y_dtype = self.meta
+            x = B.xp.empty((self.rows[r],) + x_tail, dtype=x_dtype)  # (rows, ...)
+            y = B.xp.empty((self.rows[r],) + y_tail, dtype=y_dtype)
+            dp_comm.Scatterv(x_all, self.rows, x, what="the batch's inputs")
+            dp_comm.Scatterv(y_all, self.rows, y, what="the batch's targets")
+
+        # -- DP Step 3: each worker runs forward and backward on its shard --
+        loss = self.forward_backward(x, y, self.args.batch_size * math.prod(y_tail))
+
+        # -- DP Step 4: the gradients are summed (Reduce to the master) and the model updated --
+        comm.narrate(f"DP Step 4: Reduce(SUM) of {self.n:,} gradient values "
+                     f"({self.flat.nbytes:,} bytes) to rank 0, which updates the model")
+        with TRACE.span("sync", "DP Step 4"):
+            flatten([p.grad for p in self.params], self.flat)
+            dp_comm.Reduce(self.flat, self.flat_sum, root=0, what="every gradient, flat")
+        if self.is_master:
+            unflatten(self.flat_sum, [p.grad for p in self.params])
+            self.opt.step()
+
+        # -- DP Step 5: the master broadcasts the updated parameters for the next batch --
+        comm.narrate("DP Step 5: rank 0 broadcasts the updated parameters")
+        with TRACE.span("sync", "DP Step 5"):
+            bcast_params(dp_comm, self.params, self.flat, root=0)
+        return self.global_loss(loss)
 
 
-def main(argv=None):
-    comm.install_excepthook()
-    grid = Grid(dp=comm.world().size)
-    dp_comm = grid.dp_comm
-    args = parse_args(argv, dp_comm.size)
-    task = serial.Task(args)
-    model = task.build_model().init(args.seed)
-    n_params = sum(p.size for p in model.parameters())
-    mode = args.sync + (f", buckets of {args.bucket_mb:g} MiB" if args.bucket_mb else "")
-    mode += ", overlap" if args.overlap else ""
-    mode += ", ZeRO-1" if args.zero else ""
-    comm.log(f"data_parallel: {args.model} with {n_params:,} parameters on {dp_comm.size} ranks "
-             f"(sync {mode}), {args.steps} steps of global batch {args.batch_size} "
-             f"(rows per rank {comm.split_rows(args.batch_size, dp_comm.size)}, "
-             f"{args.micro_batches} micro-batch(es)), {args.optim} lr {args.lr}, {args.dtype}")
-    dp = DataParallel(args, task, dp_comm, model)
-    bar = serial.progress(args.steps, f"dp x{dp_comm.size}", args.quiet or dp_comm.rank != 0)
-    for step in bar:
-        loss = dp.step(step)
-        bar.set_postfix(loss=f"{loss:.4f}")
-        if args.log_every and (step + 1) % args.log_every == 0 and dp_comm.rank == 0:
-            bar.write(f"step {step + 1:5d}  loss {loss:.4f}")
-    state = dp_comm.gather_obj(dp.optimizer_state_bytes())
-    if dp_comm.rank == 0:
-        comm.log(f"optimizer state bytes per rank: {state}")
-        comm.log(serial.report(task.evaluate(model.forward), loss))
-        if args.save_params:
-            serial.save_params(args.save_params, ((n, p.data) for n, p in model.named_parameters()))
-            comm.log(f"saved parameters to {args.save_params}")
+class AllreduceScheme(Replica):
+    """``--sync allreduce`` or ``ring`` (with ``--bucket-mb``, ``--overlap``): no master.
+    Every rank sums the gradients with every other and applies the same update to its own
+    replica, so the replicas stay bitwise equal and nothing is broadcast."""
+
+    def __init__(self, task, grid, args, model=None):
+        super().__init__(task, grid, args, model)
+        self.opt = serial.make_optimizer(args, self.params)
+        self.sync = GradSync(self.comm, self.params, args.sync, args.bucket_mb, args.overlap)
+
+    def step(self, step):
+        self.model.zero_grad()
+
+        # -- DP Step 2: no Scatterv: each rank takes its own rows of the global batch --
+        x, y, normalizer = self.own_rows(step)
+
+        # -- DP Step 3: each worker runs forward and backward on its shard --
+        loss = self.forward_backward(x, y, normalizer, self.sync if self.args.overlap else None)
+
+        # -- DP Step 4: the gradients are summed (Allreduce or ring, by bucket); all update --
+        comm.narrate(f"DP Step 4: {self.args.sync} of the gradients in {len(self.sync.buckets)} "
+                     f"bucket(s); every rank applies the same update to its replica")
+        with TRACE.span("sync", "DP Step 4"):
+            self.sync.finish()
+        self.opt.step()
+
+        # -- DP Step 5: nothing to broadcast: every replica made the same update --
+        comm.narrate("DP Step 5: nothing to send: every replica made the same update")
+        return self.global_loss(loss)
+
+
+class ZeroScheme(Replica):
+    """``--zero 1``: ZeRO stage 1 (:class:`ZeroOptimizer`). The gradients are
+    reduce-scattered, each rank updates its 1/P shard of the flat parameters with 1/P of the
+    optimizer state, and the updated shards are allgathered."""
+
+    def __init__(self, task, grid, args, model=None):
+        super().__init__(task, grid, args, model)
+        self.opt = ZeroOptimizer(self.comm, self.params, lambda ps: serial.make_optimizer(args, ps))
+
+    def step(self, step):
+        self.model.zero_grad()
+
+        # -- DP Step 2: no Scatterv: each rank takes its own rows of the global batch --
+        x, y, normalizer = self.own_rows(step)
+
+        # -- DP Step 3: each worker runs forward and backward on its shard --
+        loss = self.forward_backward(x, y, normalizer)
+
+        # -- DP Step 4: Reduce_scatter of the gradients; each rank updates its own shard --
+        comm.narrate(f"DP Step 4: Reduce_scatter of the gradients; rank {self.rank} updates its "
+                     f"shard of {self.opt.shard_size:,} values")
+        with TRACE.span("sync", "DP Step 4"):
+            self.opt.reduce_scatter_grads()
+        self.opt.update()
+
+        # -- DP Step 5: the updated shards are allgathered into every replica --
+        comm.narrate(f"DP Step 5: Allgather of the updated shards ({self.flat.nbytes:,} bytes of "
+                     "parameters in all)")
+        with TRACE.span("sync", "DP Step 5"):
+            self.opt.allgather_params()
+        return self.global_loss(loss)
 
 
 if __name__ == "__main__":
-    main()
+    from mpipar import train
+
+    train.main("data_parallel")

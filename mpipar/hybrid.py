@@ -58,10 +58,8 @@ and allgathers it on arrival; here every tp rank sends all of it), interleaved s
 over the data-parallel group, sequence parallelism, and a hand-written ring for the dp sum.
 """
 
-import argparse
-
 from mpipar import backend as B
-from mpipar import comm, nn, serial
+from mpipar import comm, nn, plan, serial, tp_models
 from mpipar import data_parallel as DP
 from mpipar import pipeline as PP
 from mpipar import tensor_parallel as TP
@@ -71,17 +69,10 @@ from mpipar.trace import TRACE
 
 
 # ----------------------------------------------------------------------------- comm helpers
-def sum_over(group, value):
+def sum_over(group, value, what=""):
     """The sum of one float per rank of ``group`` (small metadata: pickled allgather), the
     same on every rank because every rank adds the same list in the same order."""
-    return sum(group.allgather_obj(value))
-
-
-def ranks_of_stage(grid, stage):
-    """World ranks that hold pipeline stage ``stage``, over every replica and tp rank."""
-    sizes = (grid.dp_size, grid.tp_size, grid.pp_size)
-    return [Grid.rank_of(d, stage, t, sizes) for d in range(grid.dp_size)
-            for t in range(grid.tp_size)]
+    return sum(group.allgather_obj(value, what=what))
 
 
 # ----------------------------------------------------------------------------- the scheme
@@ -116,7 +107,7 @@ class Hybrid:
     """One rank of the 3D trainer: ``__init__`` is Step 2, :meth:`step` Steps 3 to 6 for one
     global batch (Steps 5 and 6 run inside the pipeline, at its optimizer step)."""
 
-    def __init__(self, args, task, grid):
+    def __init__(self, task, grid, args):
         self.args, self.task, self.grid = args, task, grid
         self.dp_comm, self.tp_comm, self.pp_comm = grid.dp_comm, grid.tp_comm, grid.pp_comm
         n_stages, m = grid.pp_size, args.micro_batches
@@ -125,13 +116,13 @@ class Hybrid:
         self.is_last_stage = self.stage_id == n_stages - 1
 
         # -- HY Step 2: each rank builds its piece: this stage's layers, tensor parallel --
-        counts, self.flops = PP.plan_stages(task, n_stages, m, args.partition)  # dense FLOPs
-        self.bounds = PP.stage_bounds(counts)
-        tp_model = TP.build_tp_model(task, self.tp_comm)  # every layer, none initialised yet
+        counts, self.flops = plan.plan_stages(task, n_stages, m, args.partition)  # dense FLOPs
+        self.bounds = plan.stage_bounds(counts)
+        tp_model = tp_models.build_tp_model(task, self.tp_comm)  # every layer, none initialised
         self.layer_names = [name for name, _ in tp_model.layers]
         stage = PP.build_stage(tp_model, self.bounds[self.stage_id], args.seed)
         self.stage = stage
-        self.loss_fn = TP.tp_loss(task, self.tp_comm) if self.is_last_stage else None
+        self.loss_fn = tp_models.tp_loss(task, self.tp_comm) if self.is_last_stage else None
         self.instructions = SCHEDULES[args.schedule](n_stages, self.stage_id, m)
         self.rows = comm.split_rows(args.batch_size, grid.dp_size)  # rows per replica
         self.lo = sum(self.rows[:grid.dp_rank])
@@ -177,7 +168,7 @@ class Hybrid:
         self.peak_stash_bytes = max(self.peak_stash_bytes, result.peak_stash_bytes)
         loss = None
         if self.is_last_stage:  # each replica's loss covers its rows only: add the replicas'
-            loss = sum_over(self.dp_comm, result.loss)
+            loss = sum_over(self.dp_comm, result.loss, what="the replicas' losses, to print")
         return PP.send_loss_to_rank0(self.pp_comm, loss)
 
     def memory(self):
@@ -187,6 +178,10 @@ class Hybrid:
                 "grad_bytes": sum(p.grad.nbytes for p in params),
                 "optimizer_bytes": self.update.local.opt.state_bytes(),
                 "activation_bytes": self.peak_stash_bytes}
+
+    def full_params(self):
+        """The whole model on world rank 0 (Step 7), None elsewhere."""
+        return gather_model(self.task, self)
 
 
 class SyncedUpdate:
@@ -214,7 +209,7 @@ class SyncedUpdate:
         # -- HY Step 6: each rank updates its own shards and replicated parameters --
         comm.narrate("HY Step 6: every rank updates its own shards and replicated parameters; "
                      "the replicas make the same update, so nothing is sent")
-        self.local.step()
+        self.local.update()
 
 
 # -- HY Step 7: gather the whole model to world rank 0: shards per stage, then the stages --
@@ -241,124 +236,7 @@ def gather_model(task, trainer):
     return PP.gather_params(dense, grid.pp_comm)
 
 
-# ----------------------------------------------------------------------------- command line
-def parse_args(argv, world_size):
-    """The serial trainer's flags plus the grid's, the pipeline's and the gradient sync's.
-    Every rank runs the same checks and refuses bad input with one message."""
-    ap = argparse.ArgumentParser(
-        prog="mpirun -n N python -m mpipar.hybrid",
-        description="Train with data x tensor x pipeline parallelism on N = dp*tp*pp ranks.")
-    serial.add_common_args(ap)
-    for action in ap._actions:
-        if action.dest == "model":
-            action.default = "gpt"
-            action.help = ("gpt (default): character-level GPT; mlp: digits (column/row "
-                           "pairs as in tensor_parallel, the classifier replicated)")
-    g = ap.add_argument_group("the process grid")
-    g.add_argument("--dp", type=int, help="data-parallel replicas (default: N // (tp*pp))")
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage (1)")
-    g.add_argument("--pp", type=int, default=1, help="pipeline stages (1)")
-    g.add_argument("--print-grid", action="store_true",
-                   help="print every rank's (dp, tp, pp) coordinate and groups, then exit")
-    g = ap.add_argument_group("pipeline")
-    g.add_argument("--schedule", default="1f1b", choices=list(SCHEDULES),
-                   help="naive, gpipe or 1f1b (default 1f1b)")
-    g.add_argument("--micro-batches", type=int, metavar="M",
-                   help="micro-batches per replica and step (default: 4, or fewer if a "
-                        "replica has fewer rows)")
-    g.add_argument("--partition", metavar="N,N,...",
-                   help="layers per stage by hand (default: balance the dense FLOPs)")
-    g = ap.add_argument_group("gradient sum over the data-parallel group")
-    g.add_argument("--bucket-mb", type=float, default=None,
-                   help="buckets of about X MiB in reverse layer order (default: one bucket; "
-                        "25 with --overlap, as PyTorch DDP)")
-    g.add_argument("--overlap", action="store_true",
-                   help="start each bucket's Iallreduce during the last backward")
-    g.add_argument("--explain", action="store_true",
-                   help="narrate each step and every MPI call of the first step, every rank")
-    args = ap.parse_args(argv)
-    serial.finish_args(args)
-    for flag in ("tp", "pp", "dp"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            comm.refuse(f"--{flag} must be at least 1, got {value}")
-    if args.dp is None:
-        args.dp = max(world_size // (args.tp * args.pp), 1)
-    rows = args.batch_size // args.dp  # the fewest rows a replica gets
-    if args.micro_batches is None:
-        args.micro_batches = max(1, min(4, rows))
-    if args.micro_batches < 1:
-        comm.refuse(f"--micro-batches must be at least 1, got {args.micro_batches}")
-    if args.batch_size < args.dp * args.micro_batches:
-        comm.refuse(f"the global batch of {args.batch_size} rows cannot be split over "
-                    f"{args.dp} replicas x {args.micro_batches} micro-batch(es): every "
-                    f"micro-batch needs a row (use --batch-size >= "
-                    f"{args.dp * args.micro_batches}, or fewer replicas or micro-batches)")
-    if args.bucket_mb is not None and args.bucket_mb <= 0:
-        comm.refuse(f"--bucket-mb must be positive, got {args.bucket_mb}")
-    if args.overlap and args.bucket_mb is None:
-        args.bucket_mb = 25.0  # PyTorch DDP's default bucket size
-    return args
-
-
-def main(argv=None):
-    comm.install_excepthook()
-    world = comm.world()
-    args = parse_args(argv, world.size)
-    comm.EXPLAIN = args.explain
-    grid = make_grid(args.dp, args.tp, args.pp)
-    if args.print_grid:
-        text = grid.describe()
-        comm.log(f"grid dp {grid.dp_size} x tp {grid.tp_size} x pp {grid.pp_size} = "
-                 f"{world.size} ranks; world_rank = dp*{grid.pp_size * grid.tp_size} + "
-                 f"pp*{grid.tp_size} + tp\n{text}")
-        return
-    task = serial.Task(args)
-    problem = TP.size_problem(args, grid.tp_size, task.data.vocab if task.kind == "gpt" else None)
-    if problem:
-        comm.refuse(problem)
-    trainer = Hybrid(args, task, grid)
-
-    n_params = sum(p.size for p in task.build_model().parameters())
-    sync = "" if grid.dp_size == 1 else (
-        f", dp gradient sum in {len(trainer.update.sync.buckets)} bucket(s)"
-        + (" overlapped" if args.overlap else ""))
-    comm.log(f"hybrid: {args.model} with {n_params:,} parameters on {world.size} ranks = dp "
-             f"{grid.dp_size} x tp {grid.tp_size} x pp {grid.pp_size}, schedule "
-             f"{args.schedule}, {args.micro_batches} micro-batch(es) per replica{sync}; "
-             f"{args.steps} steps of global batch {args.batch_size} (rows per replica "
-             f"{trainer.rows}), {args.optim} lr {args.lr}, {args.dtype}")
-    total = max(sum(trainer.flops), 1)
-    for s, (a, b) in enumerate(trainer.bounds):
-        names = ", ".join(trainer.layer_names[a:b])
-        comm.log(f"  stage {s} (ranks {ranks_of_stage(grid, s)}): {names:<28} "
-                 f"{sum(trainer.flops[a:b]) / total:4.0%} of the forward FLOPs")
-
-    bar = serial.progress(args.steps, f"hybrid {grid.dp_size}x{grid.tp_size}x{grid.pp_size}",
-                          args.quiet or world.rank != 0)
-    loss = None
-    for step in bar:
-        comm.EXPLAIN = args.explain and step == 0
-        loss = trainer.step(step)
-        if world.rank == 0:
-            bar.set_postfix(loss=f"{loss:.4f}")
-            if args.log_every and (step + 1) % args.log_every == 0:
-                bar.write(f"step {step + 1:5d}  loss {loss:.4f}")
-    comm.EXPLAIN = args.explain
-    params = gather_model(task, trainer)
-    comm.EXPLAIN = False
-    memory = world.gather_obj(trainer.memory())
-    if world.rank != 0:
-        return
-    full = PP.assemble_model(task, params)
-    print(serial.report(task.evaluate(full.forward), loss), flush=True)
-    print("bytes per rank (parameters, gradients, optimizer state, peak activations): "
-          f"max {max(sum(m.values()) for m in memory):,}, min "
-          f"{min(sum(m.values()) for m in memory):,}", flush=True)
-    if args.save_params:
-        serial.save_params(args.save_params, params.items())
-        print(f"saved parameters to {args.save_params}", flush=True)
-
-
 if __name__ == "__main__":
-    main()
+    from mpipar import train
+
+    train.main("hybrid")

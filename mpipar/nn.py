@@ -9,6 +9,9 @@ Parameters are named by where they sit in the model (``blocks.3.attn.qkv.W``) an
 initialised from the global seed and its own name only (:func:`init_value`), so any piece of
 the model built on any rank starts with exactly the serial model's weights.
 
+What a layer costs (FLOPs) and the shape it returns are planning questions, answered from the
+parameters' shapes in :mod:`mpipar.plan`; the layers here only compute.
+
 Shapes: B batch, T sequence length, C model width, H heads, D = C / H head width, V vocabulary.
 """
 
@@ -117,10 +120,6 @@ class Module:
     def backward(self, dout, micro_id=0):
         raise NotImplementedError
 
-    def flops(self, x_shape):
-        """Estimated forward FLOPs for an input of this shape (used to balance pipelines)."""
-        return 0
-
 
 def _rows(a):
     """View a (..., n) array as (rows, n) for a matrix product."""
@@ -158,9 +157,6 @@ class Linear(Module):
         if not self.input_grad:
             return None
         return dout @ self.W.data.T  # (..., d_in)
-
-    def flops(self, x_shape):
-        return 2 * int(np.prod(x_shape)) * self.W.shape[1]
 
 
 class ReLU(Module):
@@ -219,9 +215,6 @@ class LayerNorm(Module):
             - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True)
         )
 
-    def flops(self, x_shape):
-        return 8 * int(np.prod(x_shape))
-
 
 class Embedding(Module):
     """Rows of a table: token ids (B, T) -> vectors (B, T, C)."""
@@ -244,26 +237,27 @@ class CausalSelfAttention(Module):
     """Multi-head self-attention where position t sees positions <= t.
 
     qkv: one Linear (C -> 3C) whose columns are [q | k | v], each split into H heads of D.
+    ``n_local_heads`` is the number of heads this module computes: all H here, H/t on a
+    tensor-parallel rank (which passes it), so the core never guesses it from a width.
     """
 
     def __init__(self, d_model, n_heads):
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
-        self.n_heads = n_heads
+        self.n_local_heads = n_heads
+        self.head_dim = d_model // n_heads  # D
         self.qkv = Linear(d_model, 3 * d_model, std=0.02)
         self.proj = Linear(d_model, d_model, std=0.02)
 
     def attend(self, qkv, micro_id):
-        """The attention core on (B, T, 3*H_local*D) -> (B, T, H_local*D); H_local from width."""
-        Bn, T, C3 = qkv.shape
-        C = C3 // 3
-        H = C // self.head_dim
-        q, k, v = (
-            qkv[..., i * C:(i + 1) * C].reshape(Bn, T, H, self.head_dim).transpose(0, 2, 1, 3)
-            for i in range(3)
-        )  # each (B, H, T, D)
-        scale = 1.0 / math.sqrt(self.head_dim)
+        """The attention core on this module's H heads of D: (B, T, 3*H*D) -> (B, T, H*D)."""
+        Bn, T, _ = qkv.shape
+        H, D = self.n_local_heads, self.head_dim
+        C = H * D  # the width of q (of k, of v): C, or C/t on a tensor-parallel rank
+        q, k, v = (qkv[..., i * C:(i + 1) * C].reshape(Bn, T, H, D).transpose(0, 2, 1, 3)
+                   for i in range(3))  # each (B, H, T, D)
+        scale = 1.0 / math.sqrt(D)
         s = (q @ k.transpose(0, 1, 3, 2)) * scale  # (B, H, T, T)
         s = s + self._mask(T, s.dtype)
         s = s - s.max(axis=-1, keepdims=True)
@@ -287,10 +281,6 @@ class CausalSelfAttention(Module):
         parts = [t.transpose(0, 2, 1, 3).reshape(Bn, T, H * D) for t in (dq, dk, dv)]
         return B.xp.concatenate(parts, axis=-1)  # (B, T, 3C)
 
-    @property
-    def head_dim(self):
-        return self.qkv.W.shape[0] // self.n_heads
-
     def _mask(self, T, dtype):
         m = np.triu(np.full((T, T), -np.inf), k=1)  # -inf above the diagonal: no peeking ahead
         return B.asarray(m, dtype=dtype)
@@ -302,10 +292,6 @@ class CausalSelfAttention(Module):
     def backward(self, dout, micro_id=0):
         dy = self.proj.backward(dout, micro_id)
         return self.qkv.backward(self.attend_backward(dy, micro_id), micro_id)
-
-    def flops(self, x_shape):
-        Bn, T, C = x_shape
-        return self.qkv.flops(x_shape) + self.proj.flops(x_shape) + 4 * Bn * T * T * C
 
 
 class FeedForward(Module):
@@ -325,10 +311,6 @@ class FeedForward(Module):
         d = self.act.backward(self.proj.backward(dout, micro_id), micro_id)
         return self.fc.backward(d, micro_id)
 
-    def flops(self, x_shape):
-        hidden = x_shape[:-1] + (self.fc.W.shape[1],)
-        return self.fc.flops(x_shape) + self.proj.flops(hidden)
-
 
 class Block(Module):
     """Pre-LayerNorm transformer block: x + attn(ln1(x)), then x + mlp(ln2(x))."""
@@ -347,9 +329,6 @@ class Block(Module):
     def backward(self, dout, micro_id=0):
         dx = dout + self.ln2.backward(self.mlp.backward(dout, micro_id), micro_id)
         return dx + self.ln1.backward(self.attn.backward(dx, micro_id), micro_id)
-
-    def flops(self, x_shape):
-        return sum(m.flops(x_shape) for m in (self.ln1, self.attn, self.ln2, self.mlp))
 
 
 class GPTEmbedding(Module):
@@ -384,9 +363,6 @@ class GPTHead(Module):
     def backward(self, dout, micro_id=0):
         return self.ln.backward(self.out.backward(dout, micro_id), micro_id)
 
-    def flops(self, x_shape):
-        return self.ln.flops(x_shape) + self.out.flops(x_shape)
-
 
 # ----------------------------------------------------------------------------- containers
 class Sequential(Module):
@@ -415,28 +391,6 @@ class Sequential(Module):
         for _, layer in reversed(self.layers):
             dout = layer.backward(dout, micro_id)
         return dout
-
-    def layer_flops(self, x_shape):
-        """Forward FLOPs of each layer for an input of shape x_shape (used to cut pipelines)."""
-        out = []
-        shape = tuple(x_shape)
-        for _, layer in self.layers:
-            out.append(layer.flops(shape))
-            shape = self.out_shape(layer, shape)
-        return out
-
-    @staticmethod
-    def out_shape(layer, shape):
-        if isinstance(layer, Linear):
-            return shape[:-1] + (layer.W.shape[1],)
-        if isinstance(layer, GPTEmbedding):
-            return shape + (layer.pos.shape[1],)
-        if isinstance(layer, GPTHead):
-            return shape[:-1] + (layer.out.W.shape[1],)
-        return shape
-
-    def flops(self, x_shape):
-        return sum(self.layer_flops(x_shape))
 
 
 def MLP(sizes):

@@ -52,18 +52,14 @@ Left out on purpose: zero-bubble schedules, activation recomputation, overlappin
 step's forward with this step's optimizer, and a separate loss-scale for mixed precision.
 """
 
-import argparse
-import os
 from collections import namedtuple
 
 import numpy as np
-from mpi4py import MPI
 
 from mpipar import backend as B
 from mpipar import comm, nn, serial
-from mpipar.grid import Grid
+from mpipar.plan import plan_stages, stage_bounds
 from mpipar.schedules import (
-    CHOICES,
     Backward,
     Forward,
     OptimizerStep,
@@ -71,22 +67,17 @@ from mpipar.schedules import (
     RecvGrad,
     SendAct,
     SendGrad,
-    bubble_formula,
-    format_schedule,
-    peak_in_flight,
     stage_schedule,
 )
-from mpipar.trace import TRACE, gantt
+from mpipar.trace import TRACE
 
 TAG_ACT, TAG_GRAD, TAG_LOSS = 11, 12, 13
 CHUNK_TAG = 100  # a message to model chunk c has the tag TAG_ACT or TAG_GRAD + c * CHUNK_TAG
 HEADER_LEN = 10  # tag, micro-batch id, dtype code, ndim, up to 6 dims
-DEFAULT_TIMELINE = "pipeline-timeline.png"
-DRAWN = ("forward", "backward", "optimizer")  # trace kinds on the timeline; the rest is idle
 
 
 # ----------------------------------------------------------------------------- comm helpers
-def send_tensor(pp_comm, a, dest, tag, micro_id):
+def send_tensor(pp_comm, a, dest, tag, micro_id, what):
     """Post a header (tag, micro-batch id, dtype, shape) and then the array; return both
     requests. Non-blocking, so a sender never waits for its receiver."""
     a = B.xp.ascontiguousarray(a)
@@ -95,14 +86,15 @@ def send_tensor(pp_comm, a, dest, tag, micro_id):
     header = np.zeros(HEADER_LEN, dtype=np.int64)
     header[:4] = tag, micro_id, ord(a.dtype.char), a.ndim
     header[4:4 + a.ndim] = a.shape
-    return [pp_comm.Isend(header, dest, tag), pp_comm.Isend(a, dest, tag)]
+    return [pp_comm.Isend(header, dest, tag, what=f"header of {what}"),
+            pp_comm.Isend(a, dest, tag, what=what)]
 
 
-def recv_tensor(pp_comm, source, tag, micro_id, rows, dtype):
+def recv_tensor(pp_comm, source, tag, micro_id, rows, dtype, what):
     """Receive the header, check it names the expected micro-batch, dtype and row count, then
     receive the array into a FRESH buffer (the stage caches it by reference until backward)."""
     header = np.empty(HEADER_LEN, dtype=np.int64)
-    pp_comm.Recv(header, source, tag)
+    pp_comm.Recv(header, source, tag, what=f"header of {what}")
     got_tag, got_micro, code, ndim = (int(v) for v in header[:4])
     shape = tuple(int(v) for v in header[4:4 + ndim])
     try:
@@ -117,52 +109,56 @@ def recv_tensor(pp_comm, source, tag, micro_id, rows, dtype):
             f"{np.dtype(dtype)}) from stage {source}, but the header says micro-batch {got_micro}, "
             f"shape {shape}, {got_dtype} (tag {got_tag}): the two stages' schedules disagree")
     buf = B.xp.empty(shape, dtype=dtype)
-    pp_comm.Recv(buf, source, tag)
+    pp_comm.Recv(buf, source, tag, what=what)
     return buf
 
 
-# -- PP Step 1: split the model by layer into consecutive stages, one per rank --
-def partition(costs, n_stages):
-    """Layers per stage: the contiguous cut into n_stages non-empty stages whose most expensive
-    stage is as cheap as possible; among such cuts, the one with the most even layer counts.
+# ----------------------------------------------------------------------------- the scheme
+class Pipeline:
+    """One stage of the pipeline (one rank). ``__init__`` is Step 1; :meth:`step` runs the
+    schedule's instructions, which carry out Steps 2 to 8 for one global batch."""
 
-    Two small dynamic programmes over (stages, layers), O(p n^2): the first finds the least
-    possible maximum stage cost, the second the least possible maximum layer count under it.
-    """
-    n = len(costs)
-    if not 1 <= n_stages <= n:
-        raise ValueError(f"cannot cut {n} layers into {n_stages} non-empty stages")
-    prefix = np.concatenate(([0.0], np.cumsum(np.asarray(costs, dtype=np.float64))))
-    inf = float("inf")
+    def __init__(self, task, grid, args):
+        self.task, self.comm = task, grid.pp_comm
+        self.schedule, self.n_micro, self.n_chunks = args.schedule, args.micro_batches, args.chunks
+        v = self.n_chunks
+        p, stage = self.comm.size, self.comm.rank
+        self.is_first_stage, self.is_last_stage = stage == 0, stage == p - 1
 
-    def solve(size):
-        """best[k][j]: least max size(i, j) over cuts of layers[:j] into k stages; choice: i."""
-        best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
-        choice = [[0] * (n + 1) for _ in range(n_stages + 1)]
-        best[0][0] = 0.0
-        for k in range(1, n_stages + 1):
-            for j in range(k, n + 1):
-                for i in range(k - 1, j):
-                    value = max(best[k - 1][i], size(i, j))
-                    if value < best[k][j]:
-                        best[k][j], choice[k][j] = value, i
-        return best, choice
+        # -- PP Step 1: split the model by layer into consecutive stages, one per rank --
+        counts, self.flops = plan_stages(task, p * v, self.n_micro, args.partition)
+        self.bounds = stage_bounds(counts)  # piece x = c*p + r is chunk c of rank r
+        model, mine = task.build_model(), [c * p + stage for c in range(v)]
+        names = [name for x in mine for name, _ in model.layers[slice(*self.bounds[x])]]
+        comm.narrate(f"PP Step 1: stage {stage} holds layers " + "; ".join(
+            f"{self.bounds[x][0]}..{self.bounds[x][1] - 1}" for x in mine)
+            + f" of {len(model.layers)}: {', '.join(names)}")
+        chunks = [build_stage(model, self.bounds[x], args.seed) for x in mine]
+        self.module = chunks[0] if v == 1 else chunks
+        self.opt = serial.make_optimizer(args, [p for chunk in chunks for p in chunk.parameters()])
+        self.instructions = self.schedule_of(stage)
+        self.micro_rows = comm.split_rows(args.batch_size, self.n_micro)
+        self.peak_stash_bytes = 0
 
-    best, _ = solve(lambda i, j: prefix[j] - prefix[i])
-    limit = best[n_stages][n] * (1 + 1e-12)
-    _, choice = solve(lambda i, j: (j - i) if prefix[j] - prefix[i] <= limit else inf)
-    cuts, j = [n], n
-    for k in range(n_stages, 0, -1):
-        j = choice[k][j]
-        cuts.append(j)
-    cuts = cuts[::-1]
-    return [b - a for a, b in zip(cuts[:-1], cuts[1:])]
+    def schedule_of(self, stage):
+        """A stage's instruction list (pure: the report asks for every stage's)."""
+        return stage_schedule(self.schedule, self.comm.size, stage, self.n_micro, self.n_chunks)
 
+    def step(self, step):
+        x, y = self.task.to_device(*self.task.batch(step))  # every rank makes the global batch
+        m = self.n_micro
+        result = run_pipeline(
+            self.module, self.instructions, self.comm, self.micro_rows,
+            inputs=micro_batches(x, m) if self.is_first_stage else None,
+            targets=micro_batches(y, m) if self.is_last_stage else None,
+            loss_fn=self.task.loss_fn, normalizer=y.size, optimizer=self.opt)
+        self.peak_stash_bytes = max(self.peak_stash_bytes, result.peak_stash_bytes)
+        return send_loss_to_rank0(self.comm, result.loss)
 
-def stage_bounds(counts):
-    """[(first layer, end layer)] per stage from layer counts."""
-    ends = np.cumsum(counts).tolist()
-    return list(zip([0] + ends[:-1], ends))
+    def full_params(self):
+        comm.narrate("PP Step 9: the parameters stay on their stage; gather them to rank 0 only "
+                     "to evaluate or save")
+        return gather_params(self.module, self.comm)
 
 
 def build_stage(model, bounds, seed):
@@ -171,36 +167,11 @@ def build_stage(model, bounds, seed):
     return nn.Sequential(model.layers[a:b]).init(seed)
 
 
-def plan_stages(task, n_stages, n_micro, partition_arg=None):
-    """The layer counts per stage (by FLOPs, or as given), refusing bad input clearly on every
-    rank. Returns (counts, per-layer forward FLOPs of one micro-batch)."""
-    model = task.build_model()
-    names = [name for name, _ in model.layers]
-    rows = comm.split_rows(task.args.batch_size, n_micro)[0]
-    flops = model.layer_flops(task.input_shape(rows))
-    if partition_arg:
-        try:
-            counts = [int(v) for v in partition_arg.split(",")]
-        except ValueError:
-            comm.refuse(f"--partition {partition_arg!r}: expected layer counts like 2,1,1")
-        if len(counts) != n_stages or min(counts) < 1 or sum(counts) != len(names):
-            comm.refuse(f"--partition {partition_arg}: need {n_stages} positive layer counts "
-                        f"(one per stage, or per piece, stages x chunks, when interleaved) "
-                        f"summing to {len(names)}, the model's layers: "
-                        f"{', '.join(names)}")
-        return counts, flops
-    if n_stages > len(names):
-        comm.refuse(f"{n_stages} pipeline stages but the {task.kind} model has only "
-                    f"{len(names)} layers ({', '.join(names)}): each stage needs at least one "
-                    f"layer, so run with at most {len(names)} ranks (or a deeper model)")
-    return partition(flops, n_stages), flops
-
-
 # -- PP Step 2: the first stage takes the batch (as micro-batches) and runs forward --
 def micro_batches(a, n_micro):
     """Cut the rows of a batch into n_micro micro-batches (sizes differ by at most one)."""
-    ends = np.cumsum(comm.split_rows(a.shape[0], n_micro)).tolist()
-    return [a[s:e] for s, e in zip([0] + ends[:-1], ends)]
+    rows = comm.split_rows(a.shape[0], n_micro)
+    return [a[lo:lo + n] for lo, n in zip(comm.offsets(rows), rows)]
 
 
 StepResult = namedtuple("StepResult", "loss peak_stash_bytes")
@@ -259,7 +230,7 @@ class StageRunner:
         comm.narrate(f"PP Step 3: stage {self.stage} sends {self.name(k, c)}'s activations "
                      f"to stage {dest}")
         self.sends += send_tensor(self.comm, self.acts_out.pop((k, c)), dest,
-                                  TAG_ACT + to * CHUNK_TAG, k)
+                                  TAG_ACT + to * CHUNK_TAG, k, f"{self.name(k, c)}'s activations")
 
     # -- PP Step 4: the next stage receives them and continues the forward pass --
     def recv_act(self, k, c=0):
@@ -267,7 +238,8 @@ class StageRunner:
         comm.narrate(f"PP Step 4: stage {self.stage} receives {self.name(k, c)}'s activations "
                      f"from stage {source}, then runs forward on them")
         self.acts_in[k, c] = recv_tensor(self.comm, source, TAG_ACT + c * CHUNK_TAG, k,
-                                         self.micro_rows[k], B.dtype)
+                                         self.micro_rows[k], B.dtype,
+                                         f"{self.name(k, c)}'s activations")
 
     # -- PP Step 5: the last stage finishes forward and produces the final output --
     def output(self, k, c, y):
@@ -296,7 +268,8 @@ class StageRunner:
         comm.narrate(f"PP Step 7: stage {self.stage} receives {self.name(k, c)}'s gradient "
                      f"from stage {source}")
         self.grads_in[k, c] = recv_tensor(self.comm, source, TAG_GRAD + c * CHUNK_TAG, k,
-                                          self.micro_rows[k], B.dtype)
+                                          self.micro_rows[k], B.dtype,
+                                          f"{self.name(k, c)}'s gradient")
 
     def backward(self, k, c=0):
         comm.narrate(f"PP Step 7: stage {self.stage} runs backward on {self.name(k, c)} "
@@ -311,7 +284,7 @@ class StageRunner:
         comm.narrate(f"PP Step 7: stage {self.stage} sends {self.name(k, c)}'s input gradient "
                      f"to stage {dest}")
         self.sends += send_tensor(self.comm, self.grads_out.pop((k, c)), dest,
-                                  TAG_GRAD + to * CHUNK_TAG, k)
+                                  TAG_GRAD + to * CHUNK_TAG, k, f"{self.name(k, c)}'s gradient")
 
     # -- PP Step 8: with every micro-batch through, each stage updates its own parameters --
     def optimizer_step(self, _k=None, _c=0):
@@ -371,10 +344,10 @@ def send_loss_to_rank0(pp_comm, loss):
     if last == 0:
         return loss
     if pp_comm.rank == last:
-        pp_comm.Send(np.array([loss]), 0, TAG_LOSS)
+        pp_comm.Send(np.array([loss]), 0, TAG_LOSS, what="the step's loss, to print")
     elif pp_comm.rank == 0:
         buf = np.empty(1)
-        pp_comm.Recv(buf, last, TAG_LOSS)
+        pp_comm.Recv(buf, last, TAG_LOSS, what="the step's loss, to print")
         return float(buf[0])
     return None
 
@@ -385,13 +358,12 @@ def gather_params(module, pp_comm, root=0):
     order: each stage's parameters (of all its chunks) flattened into one buffer, one Gatherv."""
     chunks = chunks_of(module)
     named = [pair for chunk in chunks for pair in chunk.named_parameters()]
-    flat = (B.xp.concatenate([p.data.reshape(-1) for _, p in named]) if named
-            else B.xp.zeros(0, dtype=B.dtype))
-    counts = pp_comm.allgather_obj(int(flat.size))
+    flat = comm.flatten([p.data for _, p in named])
+    counts = pp_comm.allgather_obj(int(flat.size), what="each stage's parameter count")
     layout = pp_comm.gather_obj([[(name, p.shape) for name, p in chunk.named_parameters()]
-                                 for chunk in chunks], root=root)
+                                 for chunk in chunks], root=root, what="names and shapes")
     recv = B.xp.empty(sum(counts), dtype=flat.dtype) if pp_comm.rank == root else None
-    pp_comm.Gatherv(flat, counts, recv, root=root)
+    pp_comm.Gatherv(flat, counts, recv, root=root, what="every stage's parameters, flat")
     if pp_comm.rank != root:
         return None
     pieces, offset, host = {}, 0, B.to_numpy(recv)
@@ -405,211 +377,7 @@ def gather_params(module, pp_comm, root=0):
     return {name: value for x in sorted(pieces) for name, value in pieces[x].items()}
 
 
-def assemble_model(task, params):
-    """A serial model carrying the given {name: array} (for evaluation on rank 0)."""
-    model = task.build_model()
-    for name, p in model.named_parameters():
-        p.name = name
-        p.set(params[name])
-    return model
-
-
-# ----------------------------------------------------------------------------- measuring
-def step_summary(events):
-    """(first forward start, last backward end, busy seconds) of one rank's traced step."""
-    spans = [(t0, t1) for t0, t1, kind, _, _ in events if kind in ("forward", "backward")]
-    return (min(t0 for t0, _ in spans), max(t1 for _, t1 in spans),
-            sum(t1 - t0 for t0, t1 in spans))
-
-
-def measured_bubble(summaries):
-    """Idle share of one step from every rank's summary: 1 - busy / (P * span)."""
-    begin = min(s[0] for s in summaries)
-    end = max(s[1] for s in summaries)
-    return 1.0 - sum(s[2] for s in summaries) / (len(summaries) * (end - begin))
-
-
-def median_bubble(per_rank_summaries, skip=1):
-    """Median over steps (after ``skip`` warm-up steps) of the measured bubble."""
-    n_steps = len(per_rank_summaries[0])
-    steps = range(min(skip, n_steps - 1), n_steps)
-    return float(np.median([measured_bubble([s[i] for s in per_rank_summaries]) for i in steps]))
-
-
-def median_step(per_rank_summaries, skip=1):
-    """The step whose span (first forward to last backward, over all ranks) is the median:
-    a typical step to draw, not one that another process happened to interrupt."""
-    n_steps = len(per_rank_summaries[0])
-    spans = [(max(s[i][1] for s in per_rank_summaries) - min(s[i][0] for s in per_rank_summaries),
-              i) for i in range(min(skip, n_steps - 1), n_steps)]
-    return sorted(spans)[len(spans) // 2][1]
-
-
-def _fmt_bytes(n):
-    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
-
-
-# ----------------------------------------------------------------------------- main
-def parse_args(argv=None):
-    ap = argparse.ArgumentParser(
-        prog="mpirun -n P python -m mpipar.pipeline",
-        description="Train across P pipeline stages (one per rank).")
-    serial.add_common_args(ap)
-    # the GPT by default, with 4 blocks: embed+block, block, block, block+head balance 4 stages
-    for action in ap._actions:
-        if action.dest == "model":
-            action.default, action.help = "gpt", "gpt (default): character-level GPT; mlp: digits"
-        elif action.dest == "n_layers":
-            action.default, action.help = 4, "GPT blocks (default 4 here: about one per stage)"
-    g = ap.add_argument_group("pipeline")
-    g.add_argument("--schedule", default="1f1b", metavar="{" + ",".join(CHOICES) + "}",
-                   help="naive, gpipe, 1f1b or interleaved (default 1f1b)")
-    g.add_argument("--chunks", type=int, metavar="V",
-                   help="model chunks per rank for --schedule interleaved (default 2; the "
-                        "model is cut into P*V pieces)")
-    g.add_argument("--micro-batches", type=int, default=4, metavar="M",
-                   help="micro-batches per step (default 4)")
-    g.add_argument("--partition", metavar="N,N,...",
-                   help="layers per stage by hand, e.g. 2,1,1 (default: balance the FLOPs)")
-    g.add_argument("--timeline", default=DEFAULT_TIMELINE, metavar="FILE.png",
-                   help="Gantt chart of a real step's trace, the median step by duration "
-                        f"(default {DEFAULT_TIMELINE}; 'none' for no chart)")
-    g.add_argument("--explain", action="store_true",
-                   help="narrate every MPI call and step of the first training step")
-    g.add_argument("--print-schedule", action="store_true",
-                   help="print every stage's instruction list and exit (no MPI ranks needed)")
-    g.add_argument("--stages", type=int, default=4,
-                   help="number of stages for --print-schedule (default 4)")
-    args = ap.parse_args(argv)
-    if args.schedule not in CHOICES:
-        comm.refuse(f"unknown --schedule {args.schedule!r}: choose one of {', '.join(CHOICES)}")
-    if args.chunks is None:
-        args.chunks = 2 if args.schedule == "interleaved" else 1
-    elif args.schedule != "interleaved" and args.chunks != 1:
-        comm.refuse(f"--chunks {args.chunks} needs --schedule interleaved ({args.schedule} "
-                    "runs one model chunk per rank)")
-    if args.chunks <= 0:
-        comm.refuse(f"--chunks must be positive, got {args.chunks}")
-    if args.micro_batches <= 0:
-        comm.refuse(f"--micro-batches must be positive, got {args.micro_batches}")
-    return args
-
-
-def main(argv=None):
-    comm.install_excepthook()
-    args = parse_args(argv)
-    if args.print_schedule:
-        if args.stages <= 0:
-            comm.refuse(f"--stages must be positive, got {args.stages}")
-        if args.schedule == "interleaved" and args.micro_batches % args.stages:
-            comm.refuse(f"--schedule interleaved needs --micro-batches ({args.micro_batches}) "
-                        f"to be a multiple of the stages ({args.stages})")
-        comm.log(format_schedule(args.schedule, args.stages, args.micro_batches, args.chunks))
-        return
-    args = serial.finish_args(args)
-    if args.micro_batches > args.batch_size:
-        comm.refuse(f"--micro-batches {args.micro_batches} exceeds --batch-size "
-                    f"{args.batch_size}: a micro-batch would be empty")
-
-    grid = Grid(pp=MPI.COMM_WORLD.Get_size())  # a pure pipeline: every rank is one stage
-    pp_comm = grid.pp_comm
-    n_stages, stage_id, m, v = pp_comm.size, pp_comm.rank, args.micro_batches, args.chunks
-    is_first_stage, is_last_stage = stage_id == 0, stage_id == n_stages - 1
-    task = serial.Task(args)
-    model = task.build_model()
-    if v > 1:
-        if m % n_stages:
-            comm.refuse(f"--schedule interleaved needs --micro-batches ({m}) to be a multiple "
-                        f"of the stages ({n_stages})")
-        if n_stages * v > len(model.layers):
-            comm.refuse(f"{n_stages} stages x {v} chunks = {n_stages * v} model pieces but the "
-                        f"{task.kind} model has only {len(model.layers)} layers: use fewer "
-                        "--chunks or ranks (or a deeper model)")
-    counts, flops = plan_stages(task, n_stages * v, m, args.partition)
-    bounds = stage_bounds(counts)  # piece x = c*p + r is chunk c of rank r
-    comm.EXPLAIN = args.explain
-    mine = [c * n_stages + stage_id for c in range(v)]
-    comm.narrate(f"PP Step 1: stage {stage_id} holds layers " + "; ".join(
-        f"{bounds[x][0]}..{bounds[x][1] - 1}" for x in mine) + f" of {len(model.layers)}: "
-        + ", ".join(name for x in mine for name, _ in model.layers[slice(*bounds[x])]))
-    chunks = [build_stage(model, bounds[x], args.seed) for x in mine]
-    stage = chunks[0] if v == 1 else chunks
-    opt = serial.make_optimizer(args, [p for chunk in chunks for p in chunk.parameters()])
-    instructions = stage_schedule(args.schedule, n_stages, stage_id, m, v)
-    micro_rows = comm.split_rows(args.batch_size, m)
-
-    n_params = sum(p.size for p in model.parameters())
-    rows = "/".join(map(str, sorted(set(micro_rows), reverse=True)))
-    comm.log(f"pipeline: {args.model} with {n_params:,} parameters on {n_stages} stages, "
-             f"schedule {args.schedule}" + (f" with {v} chunks per stage" if v > 1 else "")
-             + f", {m} micro-batches of {rows} rows, {args.steps} steps "
-             f"of batch {args.batch_size}, {args.optim} lr {args.lr}, {args.dtype}")
-    total = sum(flops)
-    for x, (a, b) in enumerate(bounds):
-        names = ", ".join(name for name, _ in model.layers[a:b])
-        where = f"stage {x} (rank {x})" if v == 1 else \
-            f"piece {x} (rank {x % n_stages}, chunk {x // n_stages})"
-        comm.log(f"  {where}: {names:<34} {sum(flops[a:b]) / 1e6:8.2f} MFLOP "
-                 f"forward per micro-batch ({sum(flops[a:b]) / max(total, 1):4.0%})")
-
-    bar = serial.progress(args.steps, "pipeline", args.quiet or pp_comm.rank != 0)
-    summaries, step_events, peak_stash, loss = [], [], 0, None
-    for step in bar:
-        comm.EXPLAIN = args.explain and step == 0
-        TRACE.clear()
-        x, y = task.to_device(*task.batch(step))  # every rank computes the global batch
-        result = run_pipeline(
-            stage, instructions, pp_comm, micro_rows,
-            inputs=micro_batches(x, m) if is_first_stage else None,
-            targets=micro_batches(y, m) if is_last_stage else None,
-            loss_fn=task.loss_fn, normalizer=y.size, optimizer=opt)
-        summaries.append(step_summary(TRACE.events))
-        step_events.append([e for e in TRACE.events if e[2] in DRAWN])
-        peak_stash = max(peak_stash, result.peak_stash_bytes)
-        loss = send_loss_to_rank0(pp_comm, result.loss)
-        if pp_comm.rank == 0:
-            bar.set_postfix(loss=f"{loss:.4f}")
-            if args.log_every and (step + 1) % args.log_every == 0:
-                bar.write(f"step {step + 1:5d}  loss {loss:.4f}")
-    comm.EXPLAIN = False
-
-    all_summaries = pp_comm.gather_obj(summaries)
-    peaks = pp_comm.gather_obj(peak_stash)
-    step_events = pp_comm.gather_obj(step_events)
-    comm.EXPLAIN = args.explain
-    comm.narrate("PP Step 9: the parameters stay on their stage; gather them to rank 0 only to "
-                 "evaluate" + (" and save" if args.save_params else ""))
-    params = gather_params(stage, pp_comm)
-    comm.EXPLAIN = False
-    in_flight = [peak_in_flight(stage_schedule(args.schedule, n_stages, s, m, v))
-                 for s in range(n_stages)]
-    if pp_comm.rank != 0:
-        return
-    full = assemble_model(task, params)
-    print(serial.report(task.evaluate(full.forward), loss), flush=True)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    oversubscribed = f" ({n_stages} ranks on {cores} cores)" if n_stages > cores else ""
-    steps = f"steps 2..{args.steps}" if args.steps > 2 else \
-        ("step 2" if args.steps == 2 else "step 1, the only one")
-    print(f"bubble measured from the trace {median_bubble(all_summaries):.3f} (median over "
-          f"{steps}), " + ("(p-1)/(m+p-1)" if v == 1 else "(p-1)/(v*m+p-1)")
-          + f" = {bubble_formula(n_stages, m, args.schedule, v):.3f}"
-          f"{oversubscribed}", flush=True)
-    print("peak activation stash per stage: " + ", ".join(
-        f"{_fmt_bytes(b)} ({k} {'chunk ' if v > 1 else ''}micro-batch{'es' if k > 1 else ''})"
-        for b, k in zip(peaks, in_flight)), flush=True)
-    if args.timeline and args.timeline.lower() != "none":
-        i = median_step(all_summaries)
-        title = (f"{args.model}, {args.schedule}, {n_stages} stages"
-                 + (f" x {v} chunks" if v > 1 else "") + f", {m} micro-batches: step "
-                 f"{i + 1} of {args.steps}, the median step by duration")
-        gantt([events[i] for events in step_events], args.timeline, title=title)
-        print(f"timeline of step {i + 1} (the median by duration): "
-              f"{os.path.abspath(args.timeline)}", flush=True)
-    if args.save_params:
-        serial.save_params(args.save_params, params.items())
-        print(f"saved parameters to {args.save_params}", flush=True)
-
-
 if __name__ == "__main__":
-    main()
+    from mpipar import train
+
+    train.main("pipeline")

@@ -6,14 +6,14 @@
 From three measured numbers (or published ones for other hardware): the FLOP rate of one
 device, and alpha (seconds per message) and beta (seconds per byte) of its links, it predicts
 
-- compute: each layer's forward FLOPs from :meth:`mpipar.nn.Sequential.layer_flops` (backward
+- compute: each layer's forward FLOPs from :func:`mpipar.plan.layer_flops` (backward
   counted as twice the forward), divided over the tensor-parallel ranks, plus a fixed time
   per layer and micro-batch that does not divide (``Hardware.layer_overhead``), and the
   optimizer update, which grows with a stage's parameters (``Hardware.update_per_param``);
 - tensor-parallel communication: per transformer block and micro-batch, 2 allreduces forward and
   2 backward of b*s*h elements (Megatron-LM), each a ring: 2(t-1) alpha + 2(t-1)/t n beta; and
   for a whole GPT one more each in the embedding and the head, and 3 of b*s in the loss;
-- pipeline: the stages cut by :func:`mpipar.pipeline.partition`, then the *actual* schedule
+- pipeline: the stages cut by :func:`mpipar.plan.partition`, then the *actual* schedule
   (:func:`mpipar.schedules.schedule`) replayed by :func:`mpipar.schedules.simulate` with each
   stage's forward and backward times and alpha + n beta per activation or gradient message, so
   the bubble comes out of the replay, not out of the closed formula (p-1)/(m+p-1);
@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from mpipar import nn, schedules
+from mpipar import nn, plan, schedules
 
 
 # ----------------------------------------------------------------------------- hardware
@@ -172,7 +172,7 @@ def layer_table(spec, micro_rows, tp=1, dtype_bytes=2, recompute=False):
     (of activations, of one number per token: see ``TP_ALLREDUCES``), and the activation bytes
     it stashes."""
     model = spec.model()
-    flops = model.layer_flops(spec.input_shape(micro_rows))
+    flops = plan.layer_flops(model, spec.input_shape(micro_rows))
     return [dict(name=name, flops=f, params=sum(p.size for p in layer.parameters()),
                  tp_allreduces=TP_ALLREDUCES.get(type(layer), (0, 0)),
                  stash=spec.stash_bytes(layer, micro_rows, tp, dtype_bytes, recompute))
@@ -234,7 +234,7 @@ def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f
     rows = max(1, round(micro_rows))
     table = layer_table(spec, rows, tp, dtype_bytes, recompute)
     scale = micro_rows / rows
-    counts = _partition([row["flops"] for row in table], pp)
+    counts = plan.partition([row["flops"] for row in table], pp)  # as the pipeline cuts
     table_share = compute_share if isinstance(compute_share, dict) else None
     if table_share:  # everything outside the pipeline replay runs with every rank computing
         compute_share = table_share[min(dp * tp * pp, max(table_share))]
@@ -307,12 +307,6 @@ def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f
         fits=memory["total"] <= hw.memory, partition=counts,
         **{f"mem_{k}_bytes": v for k, v in memory.items()},
     )
-
-
-def _partition(costs, n_stages):
-    from mpipar.pipeline import partition
-
-    return partition(costs, n_stages)
 
 
 # ----------------------------------------------------------------------------- extrapolation

@@ -66,88 +66,18 @@ Left out: sequence parallelism (Korthikanti et al. 2022), dropout, overlapping t
 Allreduces with computation, uneven splits of heads and widths.
 """
 
-import argparse
-
 import numpy as np
 from mpi4py import MPI
 
 from mpipar import backend as B
 from mpipar import comm as C
 from mpipar import nn, serial
-from mpipar.grid import Grid
 
 
-# ----------------------------------------------------------------------------- comm helpers
-def allreduce(tp_comm, a, op=MPI.SUM):
-    """Allreduce ``a`` over the group, in place on a contiguous array, and return it.
-    A group of one rank makes no call (the result is ``a`` itself)."""
-    if tp_comm.size == 1:
-        return a
-    a = a if a.flags.c_contiguous else B.xp.ascontiguousarray(a)
-    tp_comm.Allreduce(a, op)
-    return a
-
-
-class CopyToTP:
-    """Megatron's ``f``, in front of a column-parallel layer.
-
-    forward: identity (every rank already holds the whole input).
-    backward: Allreduce (sum) of the input gradient, since each rank's gradient is only the
-    part that flows through its own columns."""
-
-    def __init__(self, tp_comm):
-        self.tp_comm = tp_comm
-
-    def forward(self, x):
-        return x
-
-    def backward(self, dx):
-        return allreduce(self.tp_comm, dx)
-
-
-class ReduceFromTP:
-    """Megatron's ``g``, after a row-parallel layer.
-
-    forward: Allreduce (sum) of the partial outputs x_r W_r into x W.
-    backward: identity (the gradient of a sum is the same for every term)."""
-
-    def __init__(self, tp_comm):
-        self.tp_comm = tp_comm
-
-    def forward(self, y):
-        return allreduce(self.tp_comm, y)
-
-    def backward(self, dy):
-        return dy
-
-
-class GatherFromTP:
-    """Put the column shards of an activation back together along the last axis.
-
-    forward: Allgather of every rank's (..., n/t) block into (..., n).
-    backward: keep this rank's columns of the gradient (a split, no message)."""
-
-    def __init__(self, tp_comm, ranges):
-        if len({_width(r) for r in ranges}) != 1:
-            raise ValueError("gather_output needs equal column shards on every rank")
-        self.tp_comm, self.ranges = tp_comm, ranges
-
-    def forward(self, y):
-        p = self.tp_comm.size
-        if p == 1:
-            return y
-        rows = B.xp.ascontiguousarray(y.reshape(-1, y.shape[-1]))  # (N, n/t)
-        parts = B.xp.empty((p * rows.shape[0], rows.shape[1]), dtype=rows.dtype)
-        self.tp_comm.Allgather(rows, parts)  # (t*N, n/t), rank r's block at rows r*N..
-        parts = parts.reshape(p, rows.shape[0], rows.shape[1])
-        full = B.xp.empty((rows.shape[0], sum(b - a for a, b in self.ranges[0]) * p),
-                          dtype=rows.dtype)
-        for r in range(p):
-            _place(full, parts[r], self.ranges[r], axis=1)
-        return full.reshape(y.shape[:-1] + (full.shape[1],))  # (..., n)
-
-    def backward(self, dy):
-        return _select(dy, self.ranges[self.tp_comm.rank], axis=dy.ndim - 1)
+# ----------------------------------------------------------------------------- index helpers
+def _name(layer):
+    """A layer's canonical name (its weight's, less ".W"), to say which layer a call serves."""
+    return (layer.W.name or "a layer").rsplit(".", 1)[0]
 
 
 def _width(ranges):
@@ -161,25 +91,14 @@ def _at(axis, sl):
 def _select(full, ranges, axis):
     """The entries of ``full`` at the index ranges along ``axis``, as a new contiguous array."""
     parts = [full[_at(axis, slice(a, b))] for a, b in ranges]
-    if len(parts) == 1:
-        return parts[0].copy()
-    cat = np.concatenate if isinstance(full, np.ndarray) else B.xp.concatenate
-    return cat(parts, axis=axis)
+    xp = np if isinstance(full, np.ndarray) else B.xp  # a host array stays on the host
+    return parts[0].copy() if len(parts) == 1 else xp.concatenate(parts, axis=axis)
 
 
 def _place(full, part, ranges, axis):
     """The inverse of :func:`_select`: write ``part`` into ``full`` at the ranges."""
-    off = 0
-    for a, b in ranges:
+    for (a, b), off in zip(ranges, C.offsets([b - a for a, b in ranges])):
         full[_at(axis, slice(a, b))] = part[_at(axis, slice(off, off + b - a))]
-        off += b - a
-
-
-def _pack(arrays):
-    """One flat contiguous buffer holding the arrays one after the other."""
-    if not arrays:
-        return B.xp.zeros(0, dtype=B.dtype)
-    return B.xp.concatenate([a.reshape(-1) for a in arrays])
 
 
 # -- TP Step 1: split the weight matrices by row or column across the ranks --
@@ -187,8 +106,7 @@ def blocks(n, p):
     """Index ranges of n entries dealt into p contiguous, nearly equal blocks, in rank order:
     a list (per rank) of lists of (start, stop)."""
     counts = C.split_rows(n, p)
-    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
-    return [[(int(s), int(s + c))] for s, c in zip(starts, counts)]
+    return [[(s, s + c)] for s, c in zip(C.offsets(counts), counts)]
 
 
 def head_columns(d_model, p):
@@ -207,10 +125,8 @@ class Shard(nn.Parameter):
     ``ranges`` lists every rank's ranges, so rank 0 can reassemble or split the full tensor."""
 
     def __init__(self, full_shape, axis, ranges, rank, init="normal", std=0.02):
-        shape = list(full_shape)
-        shape[axis] = _width(ranges[rank])
-        super().__init__(*shape, init=init, std=std)
         self.full_shape, self.axis, self.ranges, self.rank = tuple(full_shape), axis, ranges, rank
+        super().__init__(*self.shard_shape(rank), init=init, std=std)
 
     def init_value(self, seed, name):
         full = nn.Parameter(*self.full_shape, init=self.init, std=self.std).init_value(seed, name)
@@ -244,60 +160,6 @@ def split_parameters(model):
     return [p for p in params if is_sharded(p)], [p for p in params if not is_sharded(p)]
 
 
-def _divisors(n):
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def size_problem(args, t, vocab=None):
-    """Why this model cannot be split over t ranks (one clear sentence), or None. The
-    vocabulary is split into near-equal blocks, so it only needs at least t entries."""
-    def not_divisible(what, n):
-        near = sorted({max(t, n - n % t), n - n % t + t})
-        return (f"{what} {n} is not divisible by the {t} tensor-parallel ranks; rank counts "
-                f"that divide it: {', '.join(map(str, _divisors(n)))} (or make it "
-                f"{' or '.join(map(str, near))} for {t} ranks)")
-
-    if args.model == "gpt":
-        if args.d_model % t:
-            return not_divisible("the hidden size --d-model", args.d_model)
-        if args.n_heads % t:
-            return not_divisible("the head count --n-heads", args.n_heads)
-        if vocab is not None and vocab < t:
-            return (f"the vocabulary has {vocab} entries, fewer than the {t} tensor-parallel "
-                    f"ranks; use at most {vocab} ranks")
-        return None
-    n_linear = len(args.sizes) - 1
-    for i in range(0, n_linear - 1, 2):  # column-parallel layers split their output width
-        if args.sizes[i + 1] % t:
-            return not_divisible(f"--sizes entry {i + 1} (the output width of fc{i}, split by "
-                                 f"columns)", args.sizes[i + 1])
-    return None
-
-
-def build_tp_model(task, tp_comm):
-    """The task's model with its large matrices split over ``tp_comm``: the same flat
-    nn.Sequential and canonical names as ``task.build_model()``, so a pipeline can cut it into
-    stages. Uninitialised like that one: call ``.init(seed)`` (each shard then takes its slice
-    of the serial initial value)."""
-    vocab = task.data.vocab if task.kind == "gpt" else None
-    problem = size_problem(task.args, tp_comm.size, vocab)
-    if problem:
-        raise ValueError(problem)
-    a = task.args
-    if task.kind == "mlp":
-        return parallel_mlp(a.sizes, tp_comm)
-    return parallel_gpt(task.data.vocab, a.d_model, a.n_heads, a.n_layers, a.seq_len, tp_comm)
-
-
-def tp_loss(task, tp_comm):
-    """The loss that goes with :func:`build_tp_model`: vocabulary-parallel cross-entropy for
-    the GPT (its logits stay split), plain cross-entropy for the MLP (its classifier is
-    replicated, so its logits are whole on every rank)."""
-    if task.kind == "mlp":
-        return nn.SoftmaxCrossEntropy()
-    return VocabParallelCrossEntropy(task.data.vocab, tp_comm)
-
-
 # -- TP Step 2: each rank computes the forward pass for its part of the tensors --
 class ColumnParallelLinear(nn.Linear):
     """y[:, cols_r] = x W[:, cols_r] + b[cols_r]: W split by output columns.
@@ -317,7 +179,7 @@ class ColumnParallelLinear(nn.Linear):
         if bias:
             self.b = Shard((d_out,), 0, ranges, tp_comm.rank, init="zeros")  # (d_out/t,)
         self.has_bias = bias
-        self.f = CopyToTP(tp_comm)
+        self.f = CopyToTP(tp_comm, self)
         self.gather = GatherFromTP(tp_comm, ranges) if gather_output else None
 
     def forward(self, x, micro_id=0):
@@ -346,7 +208,7 @@ class RowParallelLinear(nn.Linear):
         if bias:
             self.b = nn.Parameter(d_out, init="zeros")  # replicated
         self.has_bias = bias
-        self.g = ReduceFromTP(tp_comm)
+        self.g = ReduceFromTP(tp_comm, self)
 
     def forward(self, x, micro_id=0):
         self.save(micro_id, x)
@@ -374,7 +236,7 @@ class VocabParallelEmbedding(nn.Embedding):
         ranges = blocks(n, tp_comm.size)
         self.W = Shard((n, d), 0, ranges, tp_comm.rank, std=std)  # (V/t, C)
         (self.lo, self.hi), = ranges[tp_comm.rank]
-        self.g = ReduceFromTP(tp_comm)
+        self.g = ReduceFromTP(tp_comm, self)
 
     def forward(self, idx, micro_id=0):
         inside = (idx >= self.lo) & (idx < self.hi)  # (B, T) ids this rank owns
@@ -391,67 +253,76 @@ class VocabParallelEmbedding(nn.Embedding):
 
 
 # -- TP Step 3: the ranks shard and gather activations to pass partial results on --
-class ParallelCausalSelfAttention(nn.CausalSelfAttention):
-    """Attention with each rank owning n_heads/t heads: qkv column-parallel by heads (``f``
-    in front), the attention core unchanged on the local heads, the output projection
-    row-parallel (``g`` after). Forward and backward are the serial ones."""
-
-    def __init__(self, d_model, n_heads, tp_comm):
-        nn.Module.__init__(self)
-        self.n_heads = n_heads  # in the whole layer; attend() infers the local count
-        self.qkv = ColumnParallelLinear(d_model, 3 * d_model, tp_comm, std=0.02,
-                                        ranges=head_columns(d_model, tp_comm.size))
-        self.proj = RowParallelLinear(d_model, d_model, tp_comm, std=0.02)
-
-    def flops(self, x_shape):
-        Bn, T, _ = x_shape
-        local = self.proj.W.shape[0]  # H/t heads of D: (d_model/t) columns
-        return self.qkv.flops(x_shape) + self.proj.flops(x_shape[:-1] + (local,)) \
-            + 4 * Bn * T * T * local
+def allreduce(tp_comm, a, op=MPI.SUM, what=""):
+    """Allreduce ``a`` over the group, in place on a contiguous array, and return it.
+    A group of one rank makes no call (the result is ``a`` itself)."""
+    if tp_comm.size == 1:
+        return a
+    a = a if a.flags.c_contiguous else B.xp.ascontiguousarray(a)
+    tp_comm.Allreduce(a, op, what=what)
+    return a
 
 
-class ParallelFeedForward(nn.FeedForward):
-    """The transformer's MLP: column-parallel Linear(C, 4C), GELU on the local columns (it is
-    elementwise, so no message), row-parallel Linear(4C, C)."""
+class CopyToTP:
+    """Megatron's ``f``, in front of a column-parallel layer.
 
-    def __init__(self, d_model, tp_comm, d_hidden=None):
-        nn.Module.__init__(self)
-        d_hidden = 4 * d_model if d_hidden is None else d_hidden
-        self.fc = ColumnParallelLinear(d_model, d_hidden, tp_comm, std=0.02)
-        self.act = nn.GELU()
-        self.proj = RowParallelLinear(d_hidden, d_model, tp_comm, std=0.02)
+    forward: identity (every rank already holds the whole input).
+    backward: Allreduce (sum) of the input gradient, since each rank's gradient is only the
+    part that flows through its own columns."""
 
+    def __init__(self, tp_comm, layer):
+        self.tp_comm, self.layer = tp_comm, layer  # the layer it serves, to name its calls
 
-class ParallelBlock(nn.Block):
-    """The pre-LayerNorm block with parallel attention and MLP. LayerNorms are replicated:
-    their inputs and (after ``f``'s Allreduce) their output gradients are equal on every rank,
-    so their parameter gradients are too. 2 Allreduces forward, 2 backward, of (B, T, C)."""
+    def forward(self, x):
+        return x
 
-    def __init__(self, d_model, n_heads, tp_comm):
-        nn.Module.__init__(self)
-        self.ln1 = nn.LayerNorm(d_model)
-        self.attn = ParallelCausalSelfAttention(d_model, n_heads, tp_comm)
-        self.ln2 = nn.LayerNorm(d_model)
-        self.mlp = ParallelFeedForward(d_model, tp_comm)
+    def backward(self, dx):
+        return allreduce(self.tp_comm, dx, what=f"f: input gradient of {_name(self.layer)}")
 
 
-class ParallelGPTEmbedding(nn.GPTEmbedding):
-    """Vocabulary-parallel token embedding plus the replicated position embedding."""
+class ReduceFromTP:
+    """Megatron's ``g``, after a row-parallel layer.
 
-    def __init__(self, vocab, d_model, seq_len, tp_comm):
-        nn.Module.__init__(self)
-        self.tok = VocabParallelEmbedding(vocab, d_model, tp_comm)
-        self.pos = nn.Parameter(seq_len, d_model, std=0.02)
+    forward: Allreduce (sum) of the partial outputs x_r W_r into x W.
+    backward: identity (the gradient of a sum is the same for every term)."""
+
+    def __init__(self, tp_comm, layer):
+        self.tp_comm, self.layer = tp_comm, layer
+
+    def forward(self, y):
+        return allreduce(self.tp_comm, y, what=f"g: partial outputs of {_name(self.layer)}")
+
+    def backward(self, dy):
+        return dy
 
 
-class ParallelGPTHead(nn.GPTHead):
-    """Replicated final LayerNorm, then the output layer split by vocabulary columns: the
-    logits stay split (B, T, V/t) for :class:`VocabParallelCrossEntropy`."""
+class GatherFromTP:
+    """Put the column shards of an activation back together along the last axis.
 
-    def __init__(self, d_model, vocab, tp_comm):
-        nn.Module.__init__(self)
-        self.ln = nn.LayerNorm(d_model)
-        self.out = ColumnParallelLinear(d_model, vocab, tp_comm, std=0.02)
+    forward: Allgather of every rank's (..., n/t) block into (..., n).
+    backward: keep this rank's columns of the gradient (a split, no message)."""
+
+    def __init__(self, tp_comm, ranges):
+        if len({_width(r) for r in ranges}) != 1:
+            raise ValueError("gather_output needs equal column shards on every rank")
+        self.tp_comm, self.ranges = tp_comm, ranges
+
+    def forward(self, y):
+        p = self.tp_comm.size
+        if p == 1:
+            return y
+        rows = B.xp.ascontiguousarray(y.reshape(-1, y.shape[-1]))  # (N, n/t)
+        parts = B.xp.empty((p * rows.shape[0], rows.shape[1]), dtype=rows.dtype)
+        self.tp_comm.Allgather(rows, parts, what="column shards of an output")  # (t*N, n/t)
+        parts = parts.reshape(p, rows.shape[0], rows.shape[1])
+        full = B.xp.empty((rows.shape[0], sum(b - a for a, b in self.ranges[0]) * p),
+                          dtype=rows.dtype)
+        for r in range(p):
+            _place(full, parts[r], self.ranges[r], axis=1)
+        return full.reshape(y.shape[:-1] + (full.shape[1],))  # (..., n)
+
+    def backward(self, dy):
+        return _select(dy, self.ranges[self.tp_comm.rank], axis=dy.ndim - 1)
 
 
 class VocabParallelCrossEntropy(nn.Module):
@@ -472,13 +343,16 @@ class VocabParallelCrossEntropy(nn.Module):
         z = nn._rows(logits)  # (N, V/t)
         t = targets.reshape(-1)  # (N,)
         normalizer = t.shape[0] if normalizer is None else normalizer
-        zmax = allreduce(self.tp_comm, z.max(axis=1), MPI.MAX)  # (N,) the global max
+        zmax = allreduce(self.tp_comm, z.max(axis=1), MPI.MAX,
+                         what="cross-entropy: MAX of the logits")  # (N,) the global max
         z = z - zmax[:, None]
         rows = B.xp.arange(z.shape[0])
         inside = (t >= self.lo) & (t < self.hi)  # (N,) targets in this rank's columns
         local_t = B.xp.where(inside, t - self.lo, 0)
-        target = allreduce(self.tp_comm, z[rows, local_t] * inside)  # (N,) target logit
-        sumexp = allreduce(self.tp_comm, B.xp.exp(z).sum(axis=1))  # (N,)
+        target = allreduce(self.tp_comm, z[rows, local_t] * inside,
+                           what="cross-entropy: the target logit")  # (N,)
+        sumexp = allreduce(self.tp_comm, B.xp.exp(z).sum(axis=1),
+                           what="cross-entropy: SUM of exp")  # (N,)
         logsumexp = B.xp.log(sumexp)
         loss = (logsumexp - target).sum() / normalizer
         self.save(micro_id, z, local_t, inside, logsumexp, logits.shape, normalizer)
@@ -493,36 +367,51 @@ class VocabParallelCrossEntropy(nn.Module):
         return dz.reshape(shape)
 
 
-def parallel_gpt(vocab, d_model, n_heads, n_layers, seq_len, tp_comm):
-    """nn.GPT split over tp_comm: embed, blocks.0 .. blocks.{L-1}, head."""
-    layers = [("embed", ParallelGPTEmbedding(vocab, d_model, seq_len, tp_comm))]
-    layers += [(f"blocks.{i}", ParallelBlock(d_model, n_heads, tp_comm)) for i in range(n_layers)]
-    layers.append(("head", ParallelGPTHead(d_model, vocab, tp_comm)))
-    return nn.Sequential(layers)
+# ----------------------------------------------------------------------------- the scheme
+class TensorParallel:
+    """One rank of the tensor-parallel group. ``__init__`` builds this rank's shards (Step 1);
+    :meth:`step` runs Steps 2 to 5 on the whole batch, which every rank of the group sees."""
+
+    def __init__(self, task, grid, args):
+        from mpipar.tp_models import build_tp_model, tp_loss  # made of this file's layers
+
+        self.task, self.comm = task, grid.tp_comm
+        self.model = build_tp_model(task, self.comm).init(args.seed)
+        shards, replicated = split_parameters(self.model)
+        C.narrate(f"TP Step 1: rank {self.comm.rank} holds shards of {len(shards)} matrices "
+                  f"({sum(p.size for p in shards):,} numbers) and {len(replicated)} replicated "
+                  f"parameters ({sum(p.size for p in replicated):,} numbers)")
+        self.loss_fn = tp_loss(task, self.comm)
+        make_opt = lambda params: serial.make_optimizer(args, params)  # noqa: E731
+        self.updater = LocalUpdate(self.model, make_opt) if args.update == "local" \
+            else MasterUpdate(self.model, self.comm, make_opt)
+
+    def step(self, step):
+        x, y = self.task.to_device(*self.task.batch(step))  # the whole batch on every rank
+        self.updater.zero_grad()
+
+        # -- TP Step 2: each rank computes the forward pass for its part of the tensors --
+        C.narrate("TP Step 2: forward: each rank computes with its own shards (columns, rows, "
+                  "heads, vocabulary block); g Allreduces the partial sums (Step 3)")
+        logits = self.model.forward(x)  # (B, T, V/t) or (B, 10)
+        loss = self.loss_fn.forward(logits, y, normalizer=y.size)
+
+        # -- TP Step 3: backward, with f Allreducing the input gradients of column layers --
+        C.narrate("TP Step 3, backward: f Allreduces the input gradients of the column-parallel "
+                  "layers; each shard's gradient is then complete")
+        self.model.backward(self.loss_fn.backward())
+
+        # -- TP Step 4: aggregate the gradients and update the parameters --
+        self.updater.update()
+
+        # -- TP Step 5: distribute the updated parameters for the next batch --
+        self.updater.distribute()
+        return loss
+
+    def full_params(self):
+        return gather_full_params(self.model, self.comm)
 
 
-def parallel_mlp(sizes, tp_comm):
-    """nn.MLP split over tp_comm: fc0 column-parallel, fc1 row-parallel, fc2 column, ... with
-    ReLU between (elementwise, so it runs on the column shards). An odd last Linear (the
-    classifier) stays whole and replicated: its input is whole after the row-parallel
-    Allreduce, so it needs no message, and the class count need not be divisible by t."""
-    n = len(sizes) - 1
-    layers = []
-    for i, (d_in, d_out) in enumerate(zip(sizes[:-1], sizes[1:])):
-        std = np.sqrt(2.0 / d_in)
-        if i % 2 == 0 and i + 1 < n:
-            fc = ColumnParallelLinear(d_in, d_out, tp_comm, std=std, input_grad=i > 0)
-        elif i % 2 == 1:
-            fc = RowParallelLinear(d_in, d_out, tp_comm, std=std)
-        else:
-            fc = nn.Linear(d_in, d_out, std=std, input_grad=i > 0)  # unpaired: replicated
-        layers.append((f"fc{i}", fc))
-        if i < n - 1:
-            layers.append((f"act{i}", nn.ReLU()))
-    return nn.Sequential(layers)
-
-
-# -- TP Step 4: aggregate the gradients and update the parameters --
 class LocalUpdate:
     """Megatron's update: each rank steps its own optimizer on its shards and replicated
     parameters. A shard's gradient is complete (step 3's Allreduces summed everything that
@@ -535,10 +424,12 @@ class LocalUpdate:
     def zero_grad(self):
         self.opt.zero_grad()
 
-    def step(self):
-        C.narrate("TP Step 4: each rank updates its own shards and replicated parameters "
-                  "(Step 5 needs no message: every rank holds its updated shard)")
+    def update(self):
+        C.narrate("TP Step 4: each rank updates its own shards and replicated parameters")
         self.opt.step()
+
+    def distribute(self):
+        C.narrate("TP Step 5: no message: every rank already holds its updated shard")
 
 
 def gather_shards(arrays, shards, tp_comm, root=0):
@@ -549,7 +440,8 @@ def gather_shards(arrays, shards, tp_comm, root=0):
     counts = [sum(p.shard_size(r) for p in shards) for r in range(tp_comm.size)]
     is_root = tp_comm.rank == root
     flat = B.xp.empty(sum(counts), dtype=B.dtype) if is_root else None
-    tp_comm.Gatherv(_pack(arrays), counts, flat, root=root)  # (sum of all shard sizes,)
+    tp_comm.Gatherv(C.flatten(arrays), counts, flat, root=root,
+                    what="every rank's shards, flat")  # (sum of all shard sizes,)
     if not is_root:
         return None
     fulls = [B.xp.empty(p.full_shape, dtype=B.dtype) for p in shards]
@@ -572,23 +464,20 @@ class MasterUpdate:
         self.tp_comm, self.root = tp_comm, root
         self.params = model.parameters()
         self.shards, self.replicated = split_parameters(model)
-        fulls = gather_shards([p.data for p in self.shards], self.shards, tp_comm, root)
-        self.master = None
-        if tp_comm.rank == root:
-            full_of = dict(zip(map(id, self.shards), fulls))
-            self.master = []  # full parameters, in canonical order
-            for p in self.params:
-                m = nn.Parameter(*(p.full_shape if is_sharded(p) else p.shape))
-                m.name = p.name
-                m.set(B.to_numpy(full_of[id(p)] if is_sharded(p) else p.data))
-                self.master.append(m)
+        full = gather_full_params(model, tp_comm, root)  # {name: full array} on the master
+        self.master = None  # the master's full parameters, in canonical order
+        if full is not None:
+            self.master = [nn.Parameter(*a.shape) for a in full.values()]
+            for m, (name, a) in zip(self.master, full.items()):
+                m.name = name
+                m.set(B.to_numpy(a))
             self.opt = make_opt(self.master)
 
     def zero_grad(self):
         for p in self.params:
             p.grad[...] = 0
 
-    def step(self):
+    def update(self):
         C.narrate("TP Step 4: gather the shard gradients to the master, which updates the "
                   "full matrices")
         fulls = gather_shards([p.grad for p in self.shards], self.shards, self.tp_comm,
@@ -598,6 +487,8 @@ class MasterUpdate:
             for p, m in zip(self.params, self.master):
                 m.grad[...] = full_of[id(p)] if is_sharded(p) else p.grad
             self.opt.step()  # the full matrices, with the full optimizer
+
+    def distribute(self):
         C.narrate("TP Step 5: the master scatters the new shards and broadcasts the "
                   "replicated parameters")
         scatter_shards(self.master_fulls(self.shards), self.shards, self.tp_comm, self.root)
@@ -612,18 +503,17 @@ class MasterUpdate:
         return [full_of[id(p)] for p in params]
 
 
-# -- TP Step 5: distribute the updated parameters for the next batch --
 def scatter_shards(fulls, shards, tp_comm, root=0):
     """Every rank's shards of the root's full arrays into its shard parameters: one Scatterv
     of the shards packed flat in rank order (the inverse of :func:`gather_shards`)."""
     counts = [sum(p.shard_size(r) for p in shards) for r in range(tp_comm.size)]
     flat = None
     if tp_comm.rank == root:
-        flat = _pack([p.select(full, r) for r in range(tp_comm.size)
-                      for p, full in zip(shards, fulls)])
+        flat = C.flatten([p.select(full, r) for r in range(tp_comm.size)
+                          for p, full in zip(shards, fulls)])
     mine = B.xp.empty(counts[tp_comm.rank], dtype=B.dtype)
-    tp_comm.Scatterv(flat, counts, mine, root=root)  # (this rank's shard sizes,)
-    _unpack(mine, [p.data for p in shards])
+    tp_comm.Scatterv(flat, counts, mine, root=root, what="the updated shards")  # (own sizes,)
+    C.unflatten(mine, [p.data for p in shards])
 
 
 def bcast_replicated(fulls, replicated, tp_comm, root=0):
@@ -631,22 +521,13 @@ def bcast_replicated(fulls, replicated, tp_comm, root=0):
     if not replicated:
         return
     if tp_comm.rank == root:
-        flat = _pack(fulls)
+        flat = C.flatten(fulls)
     else:
         flat = B.xp.empty(sum(p.size for p in replicated), dtype=B.dtype)
-    tp_comm.Bcast(flat, root=root)
-    _unpack(flat, [p.data for p in replicated])
+    tp_comm.Bcast(flat, root=root, what="the updated replicated parameters")
+    C.unflatten(flat, [p.data for p in replicated])
 
 
-def _unpack(flat, arrays):
-    """Copy a flat buffer into the arrays, in order (the inverse of :func:`_pack`)."""
-    off = 0
-    for a in arrays:
-        a[...] = flat[off:off + a.size].reshape(a.shape)
-        off += a.size
-
-
-# ----------------------------------------------------------------------------- training
 def gather_full_params(model, tp_comm, root=0):
     """{canonical name: full array} on ``root`` (None elsewhere), in the model's order, with
     the same names and shapes as the serial model's parameters."""
@@ -659,79 +540,7 @@ def gather_full_params(model, tp_comm, root=0):
             for name, p in model.named_parameters()}
 
 
-def train_step(model, loss_fn, updater, x, y):
-    """One step on every rank of the group; every rank gets the whole batch (x, y)."""
-    updater.zero_grad()
-    C.narrate("TP Step 2: forward: each rank computes with its own shards (columns, rows, "
-              "heads, vocabulary block)")
-    C.narrate("TP Step 3: Allreduces after row-parallel layers (g), in the embedding and the "
-              "cross-entropy combine the partial results")
-    logits = model.forward(x)
-    loss = loss_fn.forward(logits, y, normalizer=y.size)
-    C.narrate("TP Step 3, backward: f Allreduces the input gradients of the column-parallel "
-              "layers; each shard's gradient is then complete")
-    model.backward(loss_fn.backward())
-    updater.step()
-    return loss
-
-
-def make_updater(kind, model, tp_comm, make_opt):
-    if kind == "local":
-        return LocalUpdate(model, make_opt)
-    return MasterUpdate(model, tp_comm, make_opt)
-
-
-def main(argv=None):
-    C.install_excepthook()
-    ap = argparse.ArgumentParser(prog="mpirun -n P python -m mpipar.tensor_parallel",
-                                 description="Train with every large matrix split over P ranks.")
-    serial.add_common_args(ap)
-    ap.add_argument("--update", choices=["local", "master"], default="local",
-                    help="local: each rank updates its shards (Megatron); master: rank 0 "
-                         "gathers the gradients, updates, scatters the shards (the seed)")
-    ap.add_argument("--explain", action="store_true",
-                    help="narrate the first step's MPI calls on every rank")
-    args = serial.finish_args(ap.parse_args(argv))
-    grid = Grid(tp=MPI.COMM_WORLD.Get_size())
-    tp_comm = grid.tp_comm
-    task = serial.Task(args)
-    problem = size_problem(args, tp_comm.size, task.data.vocab if task.kind == "gpt" else None)
-    if problem:
-        C.refuse(problem)
-    C.EXPLAIN = args.explain
-    model = build_tp_model(task, tp_comm).init(args.seed)
-    shards, replicated = split_parameters(model)
-    C.narrate(f"TP Step 1: rank {tp_comm.rank} holds shards of {len(shards)} matrices "
-              f"({sum(p.size for p in shards):,} numbers) and {len(replicated)} replicated "
-              f"parameters ({sum(p.size for p in replicated):,} numbers)")
-    loss_fn = tp_loss(task, tp_comm)
-    updater = make_updater(args.update, model, tp_comm,
-                           lambda params: serial.make_optimizer(args, params))
-    n_full = sum(int(np.prod(p.full_shape)) for p in shards) + sum(p.size for p in replicated)
-    C.log(f"tensor parallel: {args.model} with {n_full:,} parameters split over "
-          f"{tp_comm.size} ranks ({sum(p.size for p in model.parameters()):,} on rank 0), "
-          f"update {args.update}, {args.steps} steps of batch {args.batch_size}, "
-          f"{args.optim} lr {args.lr}, {args.dtype}")
-    bar = serial.progress(args.steps, f"tp x{tp_comm.size}", args.quiet or tp_comm.rank != 0)
-    for step in bar:
-        C.EXPLAIN = args.explain and step == 0
-        x, y = task.to_device(*task.batch(step))
-        loss = train_step(model, loss_fn, updater, x, y)
-        bar.set_postfix(loss=f"{loss:.4f}")
-        if args.log_every and (step + 1) % args.log_every == 0 and tp_comm.rank == 0:
-            bar.write(f"step {step + 1:5d}  loss {loss:.4f}")
-    C.EXPLAIN = False
-    full = gather_full_params(model, tp_comm)
-    if tp_comm.rank == 0:
-        ref = task.build_model()
-        for name, p in ref.named_parameters():  # a serial model with the gathered weights
-            p.name = name
-            p.set(B.to_numpy(full[name]))
-        C.log(serial.report(task.evaluate(ref.forward), loss))
-        if args.save_params:
-            serial.save_params(args.save_params, full.items())
-            C.log(f"saved parameters to {args.save_params}")
-
-
 if __name__ == "__main__":
-    main()
+    from mpipar import train
+
+    train.main("tensor_parallel")

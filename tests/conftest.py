@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -52,16 +53,27 @@ def assert_matches_serial(out, flags, saved, tmp_path, capsys):
     equal to the serial one (the same names, relative error at most 1e-10)."""
     import numpy as np
 
-    from mpipar import serial
+    from mpipar import train
 
     reference = tmp_path / "serial.npz"
-    serial.main([*flags, "--save-params", str(reference)])
+    train.main("serial", [*flags, "--save-params", str(reference)])
     want = [line for line in capsys.readouterr().out.splitlines() if "final" in line]
     assert want and [line for line in out.splitlines() if "final" in line] == want
-    ref, got = serial.load_params(reference), serial.load_params(saved)
+    ref, got = train.load_params(reference), train.load_params(saved)
     assert sorted(got) == sorted(ref)
     for name, value in got.items():
         np.testing.assert_allclose(value, ref[name], rtol=1e-10, atol=1e-14, err_msg=name)
+
+
+def assert_refused(n, module, flags, message, within=15):
+    """``mpirun -n n python -m mpipar.<module> FLAGS`` is refused: exit code 2, ``message``
+    said once (by one rank, not once per rank), no traceback, and quickly (no rank hangs)."""
+    t0 = time.time()
+    proc = run_mpi(n, ["-m", f"mpipar.{module}", "--quiet", *flags], timeout=60, check=False)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert message in proc.stderr and proc.stderr.count("error:") == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert time.time() - t0 < within
 
 
 @pytest.fixture

@@ -111,6 +111,15 @@ def test_loss_gradients(loss_cls):
         assert abs(num - d[idx]) < 1e-7, f"{loss_cls.__name__}: dlogits{where} is wrong"
 
 
+def test_attention_keeps_its_head_count_and_width():
+    """The heads an attention computes and their width are set at construction, not read back
+    from a weight's width (a tensor-parallel rank passes its n_heads / t)."""
+    attn = nn.CausalSelfAttention(12, 3)
+    assert (attn.n_local_heads, attn.head_dim) == (3, 4)
+    with pytest.raises(ValueError, match="not divisible"):
+        nn.CausalSelfAttention(12, 5)
+
+
 def test_attention_is_causal():
     """Changing a later position must not change an earlier output."""
     attn = nn.CausalSelfAttention(8, 2).init(0)

@@ -1,21 +1,25 @@
 """The serial trainer learns, and --save-params round-trips."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
 from mpipar import backend as B
-from mpipar import data, serial
+from mpipar import data, serial, train
+from mpipar.cli import parse_args
 
 
 def test_mlp_reaches_95_percent(capsys):
-    serial.main(["--model", "mlp", "--quiet"])
+    train.main("serial", ["--model", "mlp", "--quiet"])
     out = capsys.readouterr().out
     acc = float(out.split("test accuracy")[1].split()[0])
     assert acc >= 0.95, out
 
 
 def test_gpt_beats_character_frequencies(capsys):
-    serial.main(["--model", "gpt", "--quiet", "--steps", "120"])
+    train.main("serial", ["--model", "gpt", "--quiet", "--steps", "120"])
     out = capsys.readouterr().out
     val = float(out.split("val loss")[1].split(",")[0])
     unigram = float(out.split("unigram loss")[1].split()[0])
@@ -24,14 +28,12 @@ def test_gpt_beats_character_frequencies(capsys):
 
 def test_save_params_round_trip(tmp_path, capsys):
     path = tmp_path / "p.npz"
-    serial.main(["--model", "gpt", "--quiet", "--steps", "2", "--dtype", "float64",
+    train.main("serial", ["--model", "gpt", "--quiet", "--steps", "2", "--dtype", "float64",
                  "--d-model", "16", "--n-layers", "2", "--seq-len", "8",
                  "--save-params", str(path)])
-    saved = serial.load_params(path)
-    args = serial.finish_args(serial.add_common_args(__import__("argparse").ArgumentParser())
-                              .parse_args(["--model", "gpt", "--dtype", "float64", "--d-model",
-                                           "16", "--n-layers", "2", "--seq-len", "8",
-                                           "--steps", "2"]))
+    saved = train.load_params(path)
+    args = parse_args("serial", ["--model", "gpt", "--dtype", "float64", "--d-model", "16",
+                                 "--n-layers", "2", "--seq-len", "8", "--steps", "2"])
     task = serial.Task(args)
     model = task.build_model().init(0)
     opt = serial.make_optimizer(args, model.parameters())
@@ -59,3 +61,12 @@ def test_an_unknown_flag_is_one_message_and_exit_2_on_every_rank(mpirun, module)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("error: unrecognized arguments: --no-such-flag") == 1, proc.stderr
     assert "usage:" not in proc.stderr
+
+
+def test_the_reference_does_not_start_mpi():
+    """Importing the one-process reference (and the model, data and optimizer) loads no MPI."""
+    code = ("import sys, mpipar.serial, mpipar.nn, mpipar.optim, mpipar.data; "
+            "print(sorted(m for m in sys.modules if m.startswith(('mpi4py', 'mpipar.comm'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60).stdout
+    assert out.strip() == "[]", out

@@ -1,11 +1,69 @@
 """The cost model agrees with the formulas of REFERENCE.md where they apply."""
 
+import subprocess
+import sys
+from types import SimpleNamespace
+
 import pytest
 
-from mpipar import nn, schedules
+from mpipar import nn, plan, schedules
 from mpipar import simulate as S
+from mpipar import tensor_parallel as TP
 
 HW = S.this_machine(flops=1e9, alpha=1e-5, beta=1e-9)
+
+
+# ----------------------------------------------------------------------------- mpipar.plan
+# The numbers below are the ones the flops() methods of nn's layers gave before FLOP counting
+# moved to mpipar.plan; the move changed none of them.
+def test_layer_flops_of_the_default_mlp_and_gpt_are_pinned():
+    # 2 N d_in d_out per Linear (N = 64 rows), nothing for ReLU
+    assert plan.layer_flops(nn.MLP([64, 128, 64, 10]), (64, 64)) == \
+        [1048576, 0, 1048576, 0, 81920]
+    # a block: 24 N C^2 (qkv, proj, the MLP's two) + 4 B T^2 C (attention) + 16 N C (two
+    # LayerNorms), N = B T = 32 * 32, C = 64; the head: 8 N C + 2 N C V, V = 96
+    b, t, c, v = 32, 32, 64, 96
+    n = b * t
+    block, head = 24 * n * c * c + 4 * b * t * t * c + 16 * n * c, 8 * n * c + 2 * n * c * v
+    assert (block, head) == (110100480, 13107200)
+    assert plan.layer_flops(nn.GPT(v, c, 4, 2, t), (b, t)) == [0, block, block, head]
+    assert plan.layer_flops(nn.GPT(v, c, 4, 2, t), (8, t)) == [0, 27525120, 27525120, 3276800]
+    assert [r["flops"] for r in S.layer_table(S.GPTSpec(8, 32, 4, 3, 16, True), 4)] == \
+        [1736704] * 3
+    assert sum(r["flops"] for r in S.layer_table(S.GPT3, 1)) == 734843117764608
+
+
+@pytest.mark.parametrize("rank,head", [(0, 6946816), (1, 6815744)])
+def test_layer_flops_of_a_tensor_parallel_shard_are_pinned(rank, head):
+    """One rank's shard of t = 2 (widths read from the parameters it holds): half of each
+    block, and the head's share of a vocabulary of 97 split 49 + 48."""
+    fake = SimpleNamespace(size=2, rank=rank)  # building a shard sends no message
+    gpt = TP.parallel_gpt(97, 64, 4, 2, 32, fake)
+    attn = gpt.layers[1][1].attn
+    assert (attn.n_local_heads, attn.head_dim, attn.proj.W.shape[0]) == (2, 16, 32)  # H/t of D
+    assert plan.layer_flops(gpt, (32, 32)) == [0, 55574528, 55574528, head]
+    mlp = TP.parallel_mlp([64, 128, 64, 10], fake)
+    assert plan.layer_flops(mlp, (64, 64)) == [524288, 0, 524288, 0, 81920]
+
+
+def test_a_layer_without_a_flop_rule_is_refused():
+    with pytest.raises(TypeError, match="no FLOP rule for MSE"):
+        plan.flops(nn.MSE(), (4, 3))
+
+
+def test_partition_balances_flops_and_gives_bounds():
+    assert plan.partition([5, 1, 1, 1, 1, 1], 2) == [1, 5]  # the big layer alone
+    assert plan.partition([0, 0, 0, 0, 0, 0], 3) == [2, 2, 2]  # ties: even layer counts
+    assert plan.stage_bounds([1, 5]) == [(0, 1), (1, 6)]
+    with pytest.raises(ValueError, match="cannot cut 2 layers into 3"):
+        plan.partition([1, 2], 3)
+
+
+def test_the_cost_model_imports_no_mpi():
+    """simulate and plan run where no MPI is installed: not one mpi4py module is imported."""
+    code = "import mpipar.simulate, sys; print([m for m in sys.modules if 'mpi4py' in m])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def test_ring_allreduce_formula():

@@ -10,15 +10,19 @@ alone: equal to MPI's Allreduce, 2(P-1) messages, 2(P-1)/P n bytes.
 import hashlib
 
 import numpy as np
+from reference import serial_run
 
 from mpipar import backend as B
 from mpipar import comm as C
 from mpipar import data_parallel as DP
 from mpipar import serial
+from mpipar.cli import parse_args
 from mpipar.grid import Grid
+from mpipar.train import trainer_class
 
 C.install_excepthook()
-dp_comm = Grid(dp=C.world().size).dp_comm
+grid = Grid(dp=C.world().size)
+dp_comm = grid.dp_comm
 P, r = dp_comm.size, dp_comm.rank
 STEPS = 3
 TOL = 1e-10
@@ -103,22 +107,13 @@ def check_traffic(name, args, dp):
         assert all(np.array(log) >= filled) and log[-1] == len(dp.params), (name, log)
 
 
-def serial_run(args, task):
-    """The reference: losses per step and final parameters of the serial trainer."""
-    model = task.build_model().init(args.seed)
-    opt = serial.make_optimizer(args, model.parameters())
-    losses = [serial.train_step(model, task.loss_fn, opt, *task.to_device(*task.batch(step)))
-              for step in range(STEPS)]
-    return losses, {n: B.to_numpy(p.data).copy() for n, p in model.named_parameters()}, opt
-
-
 references = {}
 n_checked = 0
 for model_name, model_args in MODELS.items():
     task = None
     for mode, mode_args in MODES.items():
         name = f"{model_name} / {mode} / P={P}"
-        args = DP.parse_args(model_args + mode_args + COMMON, P)
+        args = parse_args("data_parallel", model_args + mode_args + COMMON, P)
         if task is None:  # the data depends on the model flags only: load it once per model
             task = serial.Task(args)
         task.args = args
@@ -127,7 +122,7 @@ for model_name, model_args in MODELS.items():
         model = task.build_model().init(args.seed + 1000 * r)
         hashes = dp_comm.allgather_obj(digest(model.parameters()))
         assert all(h != hashes[0] for h in hashes[1:]), name
-        dp = DP.DataParallel(args, task, dp_comm, model)
+        dp = trainer_class("data_parallel", args)(task, grid, args, model=model)
         assert all_equal(dp.params), f"{name}: replicas differ after the first Bcast"
 
         losses = []
@@ -139,7 +134,7 @@ for model_name, model_args in MODELS.items():
 
         key = (model_name, args.optim)
         if r == 0 and key not in references:
-            references[key] = serial_run(args, task)
+            references[key] = serial_run(task, STEPS)
         if r == 0:
             ref_losses, ref_params, ref_opt = references[key]
             np.testing.assert_allclose(losses, ref_losses, rtol=TOL, err_msg=name)

@@ -1,0 +1,283 @@
+"""The command line of every scheme: the flags, their defaults, and the refusals as data.
+
+Every trainer shares the flags of :func:`common_flags`; each scheme adds its own
+(:func:`scheme_flags`). Bad input is refused by two tables of (schemes, condition, message),
+checked in order on every rank: :data:`FLAG_RULES` on the flags alone, :data:`MODEL_RULES`
+once the model is known. The first rule that holds ends the job with one message (from world
+rank 0) and exit code 2 on every rank (:func:`mpipar.comm.refuse`), never a traceback.
+"""
+
+import argparse
+
+from mpi4py import MPI
+
+from mpipar import backend as B
+from mpipar import comm, serial
+from mpipar.schedules import CHOICES, SCHEDULES
+
+SCHEMES = ("serial", "data_parallel", "tensor_parallel", "pipeline", "hybrid")
+DEFAULT_TIMELINE = "pipeline-timeline.png"
+
+
+# ----------------------------------------------------------------------------- flags
+def common_flags(ap, scheme):
+    """The flags every trainer shares. Per-model defaults (steps, batch, lr, optimizer) are
+    filled in after parsing (serial.DEFAULTS), so ``--help`` names them per model."""
+    deep = scheme in ("pipeline", "hybrid")  # the GPT by default where stages need layers
+    g = ap.add_argument_group("training (shared by every scheme)")
+    g.add_argument("--model", choices=["mlp", "gpt"], default="gpt" if deep else "mlp",
+                   help="mlp: MLP on 8x8 digits; gpt: character-level GPT on text (default "
+                        f"{'gpt' if deep else 'mlp'})")
+    g.add_argument("--steps", type=int, help="optimizer steps (mlp 300, gpt 250)")
+    g.add_argument("--batch-size", type=int, help="global batch size (mlp 64, gpt 32)")
+    g.add_argument("--lr", type=float, help="learning rate (mlp 0.05, gpt 3e-3)")
+    g.add_argument("--optim", choices=["sgd", "adam", "adamw"], help="mlp: sgd, gpt: adam")
+    g.add_argument("--seed", type=int, default=0, help="seeds the weights and the batches")
+    g.add_argument("--dtype", choices=["float32", "float64"], default="float32",
+                   help="float64 for exact comparisons between schemes")
+    g.add_argument("--backend", choices=["numpy", "cupy"], default="numpy")
+    g.add_argument("--save-params", metavar="FILE.npz",
+                   help="write the trained parameters under their canonical names")
+    g.add_argument("--log-every", type=int, default=0, help="print the loss every N steps")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    if scheme != "serial":
+        g.add_argument("--explain", action="store_true",
+                       help="narrate the first step: each seed step and each MPI call, every rank")
+    m = ap.add_argument_group("model sizes")
+    m.add_argument("--sizes", type=lambda s: [int(v) for v in s.split(",")],
+                   default=[64, 128, 64, 10], help="MLP widths (default 64,128,64,10)")
+    m.add_argument("--d-model", type=int, default=64, help="GPT width (default 64)")
+    m.add_argument("--n-heads", type=int, default=4, help="GPT attention heads (default 4)")
+    m.add_argument("--n-layers", type=int, default=4 if scheme == "pipeline" else 2,
+                   help="GPT blocks (default " + ("4 here: about one per stage)"
+                                                  if scheme == "pipeline" else "2)"))
+    m.add_argument("--seq-len", type=int, default=32, help="GPT context length (default 32)")
+
+
+def bucket_flags(g):
+    g.add_argument("--bucket-mb", type=float, default=None,
+                   help="gradient buckets of about X MiB, reverse layer order (default: one "
+                        "bucket; 25 with --overlap, as PyTorch DDP)")
+    g.add_argument("--overlap", action="store_true",
+                   help="start each bucket's Iallreduce during the last backward")
+
+
+def pipeline_flags(g, schedules):
+    g.add_argument("--schedule", default="1f1b", metavar="{" + ",".join(schedules) + "}",
+                   help=f"{', '.join(schedules)} (default 1f1b)")
+    g.add_argument("--micro-batches", type=int, metavar="M",
+                   help="micro-batches per step (default 4, or fewer if the rows are fewer)")
+    g.add_argument("--partition", metavar="N,N,...",
+                   help="layers per stage by hand, e.g. 2,1,1 (default: balance the FLOPs)")
+
+
+def scheme_flags(ap, scheme):
+    if scheme == "data_parallel":
+        g = ap.add_argument_group("data parallelism")
+        g.add_argument("--sync", default="master", choices=["master", "allreduce", "ring"],
+                       help="master: the seed's Reduce + Bcast through rank 0 (default); "
+                            "allreduce: MPI Allreduce; ring: a ring allreduce from Sendrecv")
+        bucket_flags(g)
+        g.add_argument("--zero", type=int, default=0, choices=[0, 1],
+                       help="1: shard the optimizer state over the ranks (ZeRO stage 1)")
+        g.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps")
+    elif scheme == "tensor_parallel":
+        ap.add_argument("--update", choices=["local", "master"], default="local",
+                        help="local: each rank updates its shards (Megatron); master: rank 0 "
+                             "gathers the gradients, updates, scatters the shards (the seed)")
+    elif scheme == "pipeline":
+        g = ap.add_argument_group("pipeline")
+        pipeline_flags(g, CHOICES)
+        g.add_argument("--chunks", type=int, metavar="V",
+                       help="model chunks per rank for --schedule interleaved (default 2; the "
+                            "model is cut into P*V pieces)")
+        g.add_argument("--timeline", default=DEFAULT_TIMELINE, metavar="FILE.png",
+                       help="Gantt chart of a real step's trace, the median step by duration "
+                            f"(default {DEFAULT_TIMELINE}; 'none' for no chart)")
+        g.add_argument("--print-schedule", action="store_true",
+                       help="print every stage's instruction list and exit (no MPI ranks needed)")
+        g.add_argument("--stages", type=int, default=4,
+                       help="number of stages for --print-schedule (default 4)")
+    elif scheme == "hybrid":
+        g = ap.add_argument_group("the process grid")
+        g.add_argument("--dp", type=int, help="data-parallel replicas (default: N // (tp*pp))")
+        g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage (1)")
+        g.add_argument("--pp", type=int, default=1, help="pipeline stages (1)")
+        g.add_argument("--print-grid", action="store_true",
+                       help="print every rank's (dp, tp, pp) coordinate and groups, then exit")
+        pipeline_flags(ap.add_argument_group("pipeline"), list(SCHEDULES))
+        bucket_flags(ap.add_argument_group("gradient sum over the data-parallel group"))
+
+
+PROGS = {"serial": ("python -m mpipar.serial", "Train the reference model on one process."),
+         "data_parallel": ("mpirun -n P python -m mpipar.data_parallel",
+                           "Train with P data-parallel replicas."),
+         "tensor_parallel": ("mpirun -n P python -m mpipar.tensor_parallel",
+                             "Train with every large matrix split over P ranks."),
+         "pipeline": ("mpirun -n P python -m mpipar.pipeline",
+                      "Train across P pipeline stages (one per rank)."),
+         "hybrid": ("mpirun -n N python -m mpipar.hybrid",
+                    "Train with data x tensor x pipeline parallelism on N = dp*tp*pp ranks.")}
+
+
+# ----------------------------------------------------------------------------- refusals
+def _divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def tp_size_problem(a, t, vocab=None):
+    """Why this model cannot be split over t tensor-parallel ranks (one sentence), or None.
+    The vocabulary is split into near-equal blocks, so it only needs at least t entries."""
+    def not_divisible(what, n):
+        near = sorted({max(t, n - n % t), n - n % t + t})
+        return (f"{what} {n} is not divisible by the {t} tensor-parallel ranks; rank counts "
+                f"that divide it: {', '.join(map(str, _divisors(n)))} (or make it "
+                f"{' or '.join(map(str, near))} for {t} ranks)")
+
+    if a.model == "gpt":
+        if a.d_model % t:
+            return not_divisible("the hidden size --d-model", a.d_model)
+        if a.n_heads % t:
+            return not_divisible("the head count --n-heads", a.n_heads)
+        if vocab is not None and vocab < t:
+            return (f"the vocabulary has {vocab} entries, fewer than the {t} tensor-parallel "
+                    f"ranks; use at most {vocab} ranks")
+        return None
+    for i in range(0, len(a.sizes) - 2, 2):  # column-parallel layers split their output width
+        if a.sizes[i + 1] % t:
+            return not_divisible(f"--sizes entry {i + 1} (the output width of fc{i}, split by "
+                                 f"columns)", a.sizes[i + 1])
+    return None
+
+
+def layer_names(task):
+    return [name for name, _ in task.build_model().layers]
+
+
+def _bad_partition(a, n_pieces, task):
+    try:
+        counts = [int(v) for v in a.partition.split(",")]
+    except ValueError:
+        return f"--partition {a.partition!r}: expected layer counts like 2,1,1"
+    names = layer_names(task)
+    if len(counts) != n_pieces or min(counts) < 1 or sum(counts) != len(names):
+        return (f"--partition {a.partition}: need {n_pieces} positive layer counts (one per "
+                f"stage, or per piece, stages x chunks, when interleaved) summing to "
+                f"{len(names)}, the model's layers: {', '.join(names)}")
+    return None
+
+
+ALL, DP, TP, PP, HY = SCHEMES, ("data_parallel",), ("tensor_parallel",), ("pipeline",), ("hybrid",)
+# (schemes, condition(a), message): checked in order on the flags alone; the first that holds
+# is refused. ``a.n`` is the number of ranks, ``a.stages`` the pipeline's.
+FLAG_RULES = [
+    (ALL, lambda a: a.steps <= 0, "--steps must be positive, got {a.steps}"),
+    (ALL, lambda a: a.batch_size <= 0, "--batch-size must be positive, got {a.batch_size}"),
+    (ALL, lambda a: a.lr <= 0, "--lr must be positive, got {a.lr}"),
+    (ALL, lambda a: a.model == "mlp" and (a.sizes[0] != 64 or a.sizes[-1] != 10),
+     "--sizes must start with 64 (pixels) and end with 10 (classes), got {a.sizes}"),
+    (ALL, lambda a: a.model == "gpt" and a.d_model % a.n_heads,
+     "--d-model {a.d_model} is not divisible by --n-heads {a.n_heads}"),
+    (HY, lambda a: min(v for v in (a.tp, a.pp, a.dp, 1) if v is not None) < 1,
+     "--dp, --tp and --pp must be at least 1, got {a.dp}, {a.tp}, {a.pp}"),
+    (DP + PP + HY, lambda a: a.micro_batches < 1,
+     "--micro-batches must be at least 1, got {a.micro_batches}"),
+    (DP + HY, lambda a: a.batch_size < a.replicas * a.micro_batches,
+     "the global batch of {a.batch_size} rows cannot be split over {a.replicas} ranks x "
+     "{a.micro_batches} micro-batch(es): every rank needs at least one row per micro-batch (use "
+     "--batch-size >= {a.rows_needed}, or fewer ranks or micro-batches)"),
+    (DP, lambda a: a.zero and a.sync == "master",
+     "--zero 1 shards the optimizer over every rank, but with --sync master only rank 0 "
+     "updates: use --sync allreduce --zero 1"),
+    (DP, lambda a: a.zero and (a.bucket_mb is not None or a.overlap or a.sync == "ring"),
+     "--zero 1 uses one Reduce_scatter and one Allgather of the whole flat buffer: use it "
+     "with --sync allreduce and without --bucket-mb/--overlap"),
+    (DP, lambda a: a.overlap and a.sync != "allreduce",
+     "--overlap needs the non-blocking Iallreduce of --sync allreduce (got --sync {a.sync})"),
+    (DP, lambda a: a.bucket_mb is not None and (a.bucket_mb <= 0 or a.sync == "master"),
+     "--bucket-mb must be positive and needs --sync allreduce or ring (got {a.bucket_mb} with "
+     "--sync {a.sync})"),
+    (HY, lambda a: a.bucket_mb is not None and a.bucket_mb <= 0,
+     "--bucket-mb must be positive, got {a.bucket_mb}"),
+    (PP, lambda a: a.schedule not in CHOICES,
+     "unknown --schedule {a.schedule!r}: choose one of " + ", ".join(CHOICES)),
+    (HY, lambda a: a.schedule not in SCHEDULES,
+     "unknown --schedule {a.schedule!r}: choose one of " + ", ".join(SCHEDULES)),
+    (PP, lambda a: a.schedule != "interleaved" and a.chunks != 1,
+     "--chunks {a.chunks} needs --schedule interleaved ({a.schedule} runs one model chunk "
+     "per rank)"),
+    (PP, lambda a: a.chunks <= 0, "--chunks must be positive, got {a.chunks}"),
+    (PP, lambda a: a.stages <= 0, "--stages must be positive, got {a.stages}"),
+    (PP, lambda a: a.micro_batches > a.batch_size,
+     "--micro-batches {a.micro_batches} exceeds --batch-size {a.batch_size}: a micro-batch "
+     "would be empty"),
+    (PP, lambda a: a.chunks > 1 and a.micro_batches % a.stages,
+     "--schedule interleaved needs --micro-batches ({a.micro_batches}) to be a multiple of the "
+     "stages ({a.stages})"),
+]
+# (schemes, problem(a, task)): checked after the flags, with the model built; a problem is
+# its own message (a sentence), no problem is None.
+MODEL_RULES = [
+    (TP + HY, lambda a, task: tp_size_problem(a, a.tp, task.data.vocab if a.model == "gpt"
+                                               else None)),
+    (PP + HY, lambda a, task: a.partition and _bad_partition(a, a.stages * a.chunks, task)),
+    (PP, lambda a, task: a.chunks > 1 and a.stages * a.chunks > len(layer_names(task)) and (
+        f"{a.stages} stages x {a.chunks} chunks = {a.stages * a.chunks} model pieces but the "
+        f"{a.model} model has only {len(layer_names(task))} layers: use fewer --chunks or ranks "
+        "(or a deeper model)")),
+    (PP + HY, lambda a, task: a.stages > len(layer_names(task)) and (
+        f"{a.stages} pipeline stages but the {a.model} model has only {len(layer_names(task))} "
+        f"layers ({', '.join(layer_names(task))}): each stage needs at least one layer, so run "
+        f"with at most {len(layer_names(task))} ranks (or a deeper model)")),
+]
+
+
+def parse_args(scheme, argv=None, n_ranks=None):
+    """The flags of ``scheme`` parsed, completed and checked (FLAG_RULES), on every rank."""
+    prog, description = PROGS[scheme]
+    ap = argparse.ArgumentParser(prog=prog, description=description)
+    ap.error = lambda message: comm.refuse(f"{message} (see --help)")
+    common_flags(ap, scheme)
+    scheme_flags(ap, scheme)
+    a = ap.parse_args(argv)
+    a.scheme = scheme
+    for key, value in serial.DEFAULTS[a.model].items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
+    n = MPI.COMM_WORLD.Get_size() if n_ranks is None else n_ranks
+    defaults = dict(explain=False, micro_batches=1, chunks=1, partition=None, bucket_mb=None,
+                    overlap=False, dp=1, tp=1, pp=1)
+    for key, value in defaults.items():
+        if not hasattr(a, key):
+            setattr(a, key, value)
+    a.dp, a.tp, a.pp = {"data_parallel": (n, 1, 1), "tensor_parallel": (1, n, 1),
+                        "pipeline": (1, 1, n)}.get(scheme, (a.dp, a.tp, a.pp))
+    if scheme == "hybrid" and a.dp is None and min(a.tp, a.pp) >= 1:
+        a.dp = max(n // (a.tp * a.pp), 1)
+    if scheme == "pipeline":
+        if a.chunks is None:
+            a.chunks = 2 if a.schedule == "interleaved" else 1
+        a.stages = a.stages if a.print_schedule else n
+        if a.micro_batches is None:
+            a.micro_batches = 4
+    if scheme == "hybrid":
+        a.stages = a.pp
+        if a.micro_batches is None:
+            a.micro_batches = max(1, min(4, a.batch_size // max(a.dp or 1, 1)))
+    a.replicas = a.dp
+    a.rows_needed = (a.dp or 1) * a.micro_batches
+    for schemes, condition, message in FLAG_RULES:
+        if scheme in schemes and condition(a):
+            comm.refuse(message.format(a=a))
+    if a.overlap and a.bucket_mb is None:
+        a.bucket_mb = 25.0  # PyTorch DDP's default bucket size
+    B.use(a.backend, a.dtype)
+    return a
+
+
+def check_model(scheme, a, task):
+    """MODEL_RULES: what the flags allow but this model cannot do."""
+    for schemes, problem in MODEL_RULES:
+        message = scheme in schemes and problem(a, task)
+        if message:
+            comm.refuse(message)

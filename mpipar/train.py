@@ -1,0 +1,332 @@
+"""The runner: everything around the schemes, so that each scheme file holds only its steps.
+
+    python -m mpipar.serial                                  # each scheme module hands over here
+    mpirun -n 4 python -m mpipar.data_parallel --sync ring
+    mpirun -n 4 python -m mpipar.train pipeline --schedule gpipe   # the same, named
+
+This module owns the command line (:mod:`mpipar.cli`: the flags every trainer shares and
+each scheme's own, and the refusals as a table of condition and message), the process grid,
+the one training loop (progress bar, ``--log-every``, ``--explain`` for the first step only),
+the held-out evaluation, ``--save-params``, and each scheme's report (the pipeline's bubble,
+stash and timeline, the optimizer state and memory per rank).
+
+A scheme is a trainer class with one small interface:
+
+- ``Trainer(task, grid, args)``: build this rank's part (its Step 1);
+- ``trainer.step(step) -> loss``: one optimizer step on the global batch of ``step``; the
+  global loss on world rank 0 (other ranks may return None);
+- ``trainer.full_params()``: the whole model as {canonical name: host array} on world rank 0
+  (None elsewhere), the names and shapes of the serial model's parameters.
+"""
+
+import os
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+from mpipar import backend as B
+from mpipar import comm, serial
+from mpipar.cli import SCHEMES, check_model, layer_names, parse_args
+from mpipar.grid import Grid
+from mpipar.schedules import bubble_formula, format_schedule, peak_in_flight
+from mpipar.trace import TRACE, gantt
+
+DRAWN = ("forward", "backward", "optimizer")  # trace kinds on the timeline; the rest is idle
+
+
+# ----------------------------------------------------------------------------- reports
+class Report:
+    """What the runner prints around a scheme's training: ``header()`` before it (world rank 0
+    prints it), ``after_step()`` after each step, and ``lines()`` after it: (lines before the
+    final-loss line, lines after it) on world rank 0. ``lines()`` is called on every rank,
+    since a report may gather from them all."""
+
+    def __init__(self, a, task, trainer, grid):
+        self.a, self.task, self.trainer, self.grid = a, task, trainer, grid
+        self.n_params = sum(p.size for p in task.build_model().parameters())
+        self.desc = {"data_parallel": f"dp x{a.dp}", "tensor_parallel": f"tp x{a.tp}",
+                     "hybrid": f"hybrid {a.dp}x{a.tp}x{a.pp}"}.get(a.scheme, a.scheme)
+        self.after_step = None
+
+    def training(self):
+        a = self.a
+        return f"{a.steps} steps of {'global ' * (a.dp > 1)}batch {a.batch_size}"
+
+    def tail(self):
+        return f"{self.a.optim} lr {self.a.lr}, {self.a.dtype}"
+
+    def header(self):
+        a = self.a
+        return f"serial: {a.model} with {self.n_params:,} parameters, {self.training()}, " \
+               f"{self.tail()}"
+
+    def lines(self):
+        return [], []
+
+
+class DataParallelReport(Report):
+    def header(self):
+        a = self.a
+        mode = a.sync + (f", buckets of {a.bucket_mb:g} MiB" if a.bucket_mb else "")
+        mode += (", overlap" if a.overlap else "") + (", ZeRO-1" if a.zero else "")
+        return (f"data_parallel: {a.model} with {self.n_params:,} parameters on {a.dp} ranks "
+                f"(sync {mode}), {self.training()} (rows per rank "
+                f"{comm.split_rows(a.batch_size, a.dp)}, {a.micro_batches} micro-batch(es)), "
+                f"{self.tail()}")
+
+    def lines(self):
+        state = self.grid.dp_comm.gather_obj(self.trainer.optimizer_state_bytes())
+        return [f"optimizer state bytes per rank: {state}"], []
+
+
+class TensorParallelReport(Report):
+    def header(self):
+        a = self.a
+        local = sum(p.size for p in self.trainer.model.parameters())
+        return (f"tensor parallel: {a.model} with {self.n_params:,} parameters split over "
+                f"{a.tp} ranks ({local:,} on rank 0), update {a.update}, {self.training()}, "
+                f"{self.tail()}")
+
+
+def stage_lines(a, task, trainer, where):
+    """One line per pipeline stage (or piece): its layers and its share of the FLOPs."""
+    names = layer_names(task)
+    total = max(sum(trainer.flops), 1)
+    return [f"  {where(x)}: {', '.join(names[lo:hi]):<34} {sum(trainer.flops[lo:hi]) / 1e6:8.2f} "
+            f"MFLOP forward per micro-batch ({sum(trainer.flops[lo:hi]) / total:4.0%})"
+            for x, (lo, hi) in enumerate(trainer.bounds)]
+
+
+class PipelineReport(Report):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.summaries, self.step_events = [], []
+        self.after_step = self.record
+
+    def record(self):
+        self.summaries.append(step_summary(TRACE.events))
+        self.step_events.append([e for e in TRACE.events if e[2] in DRAWN])
+
+    def header(self):
+        a, p, v = self.a, self.a.stages, self.a.chunks
+        rows = "/".join(map(str, sorted(set(self.trainer.micro_rows), reverse=True)))
+        head = (f"pipeline: {a.model} with {self.n_params:,} parameters on {p} stages, "
+                f"schedule {a.schedule}" + (f" with {v} chunks per stage" if v > 1 else "")
+                + f", {a.micro_batches} micro-batches of {rows} rows, {self.training()}, "
+                f"{self.tail()}")
+        where = (lambda x: f"stage {x} (rank {x})") if v == 1 else \
+            (lambda x: f"piece {x} (rank {x % p}, chunk {x // p})")
+        return "\n".join([head] + stage_lines(a, self.task, self.trainer, where))
+
+    def lines(self):
+        pp_comm = self.grid.pp_comm
+        summaries = pp_comm.gather_obj(self.summaries)
+        peaks = pp_comm.gather_obj(self.trainer.peak_stash_bytes)
+        step_events = pp_comm.gather_obj(self.step_events)
+        if pp_comm.rank != 0:
+            return [], []
+        a, p, v, m = self.a, self.a.stages, self.a.chunks, self.a.micro_batches
+        in_flight = [peak_in_flight(self.trainer.schedule_of(s)) for s in range(p)]
+        shared = f" ({p} ranks on {cores()} cores)" if p > cores() else ""
+        steps = f"steps 2..{a.steps}" if a.steps > 2 else \
+            ("step 2" if a.steps == 2 else "step 1, the only one")
+        after = [f"bubble measured from the trace {median_bubble(summaries):.3f} (median over "
+                 f"{steps}), " + ("(p-1)/(m+p-1)" if v == 1 else "(p-1)/(v*m+p-1)")
+                 + f" = {bubble_formula(p, m, a.schedule, v):.3f}{shared}",
+                 "peak activation stash per stage: " + ", ".join(
+                     f"{_fmt_bytes(b)} ({k} {'chunk ' if v > 1 else ''}micro-batch"
+                     f"{'es' if k > 1 else ''})" for b, k in zip(peaks, in_flight))]
+        if a.timeline and a.timeline.lower() != "none":
+            i = median_step(summaries)
+            title = (f"{a.model}, {a.schedule}, {p} stages" + (f" x {v} chunks" if v > 1 else "")
+                     + f", {m} micro-batches: step {i + 1} of {a.steps}, the median step by "
+                     "duration")
+            gantt([events[i] for events in step_events], a.timeline, title=title)
+            after.append(f"timeline of step {i + 1} (the median by duration): "
+                         f"{os.path.abspath(a.timeline)}")
+        return [], after
+
+
+class HybridReport(Report):
+    def header(self):
+        a, grid, trainer = self.a, self.grid, self.trainer
+        sync = "" if a.dp == 1 else (
+            f", dp gradient sum in {len(trainer.update.sync.buckets)} bucket(s)"
+            + (" overlapped" if a.overlap else ""))
+        head = (f"hybrid: {a.model} with {self.n_params:,} parameters on {grid.world.size} "
+                f"ranks = dp {a.dp} x tp {a.tp} x pp {a.pp}, schedule {a.schedule}, "
+                f"{a.micro_batches} micro-batch(es) per replica{sync}; {self.training()} "
+                f"(rows per replica {trainer.rows}), {self.tail()}")
+        ranks = lambda s: [Grid.rank_of(d, s, t, (a.dp, a.tp, a.pp))  # noqa: E731
+                           for d in range(a.dp) for t in range(a.tp)]
+        names = layer_names(self.task)
+        total = max(sum(trainer.flops), 1)
+        return "\n".join([head] + [
+            f"  stage {s} (ranks {ranks(s)}): {', '.join(names[lo:hi]):<28} "
+            f"{sum(trainer.flops[lo:hi]) / total:4.0%} of the forward FLOPs"
+            for s, (lo, hi) in enumerate(trainer.bounds)])
+
+    def lines(self):
+        memory = self.grid.world.gather_obj(self.trainer.memory())
+        if memory is None:
+            return [], []
+        totals = [sum(m.values()) for m in memory]
+        return [], ["bytes per rank (parameters, gradients, optimizer state, peak activations): "
+                    f"max {max(totals):,}, min {min(totals):,}"]
+
+
+REPORTS = {"serial": Report, "data_parallel": DataParallelReport,
+           "tensor_parallel": TensorParallelReport, "pipeline": PipelineReport,
+           "hybrid": HybridReport}
+
+
+# ----------------------------------------------------------------------------- measuring
+def step_summary(events):
+    """(first forward start, last backward end, busy seconds) of one rank's traced step."""
+    spans = [(t0, t1) for t0, t1, kind, _, _ in events if kind in ("forward", "backward")]
+    return (min(t0 for t0, _ in spans), max(t1 for _, t1 in spans),
+            sum(t1 - t0 for t0, t1 in spans))
+
+
+def measured_bubble(summaries):
+    """Idle share of one step from every rank's summary: 1 - busy / (P * span)."""
+    begin = min(s[0] for s in summaries)
+    end = max(s[1] for s in summaries)
+    return 1.0 - sum(s[2] for s in summaries) / (len(summaries) * (end - begin))
+
+
+def median_bubble(per_rank_summaries, skip=1):
+    """Median over steps (after ``skip`` warm-up steps) of the measured bubble."""
+    n_steps = len(per_rank_summaries[0])
+    steps = range(min(skip, n_steps - 1), n_steps)
+    return float(np.median([measured_bubble([s[i] for s in per_rank_summaries]) for i in steps]))
+
+
+def median_step(per_rank_summaries, skip=1):
+    """The step whose span (first forward to last backward, over all ranks) is the median:
+    a typical step to draw, not one that another process happened to interrupt."""
+    n_steps = len(per_rank_summaries[0])
+    spans = [(max(s[i][1] for s in per_rank_summaries) - min(s[i][0] for s in per_rank_summaries),
+              i) for i in range(min(skip, n_steps - 1), n_steps)]
+    return sorted(spans)[len(spans) // 2][1]
+
+
+def _fmt_bytes(n):
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+# ----------------------------------------------------------------------------- the loop
+def trainer_class(scheme, a):
+    """The trainer class of the scheme and variant the flags name (imported on demand)."""
+    if scheme == "serial":
+        return serial.Serial
+    if scheme == "data_parallel":
+        from mpipar import data_parallel as D
+        return D.MasterScheme if a.sync == "master" else D.ZeroScheme if a.zero \
+            else D.AllreduceScheme
+    if scheme == "tensor_parallel":
+        from mpipar import tensor_parallel as T
+        return T.TensorParallel
+    if scheme == "pipeline":
+        from mpipar import pipeline as P
+        return P.Pipeline
+    from mpipar import hybrid as H
+    return H.Hybrid
+
+
+def progress(steps, desc, quiet=False):
+    """A tqdm progress bar over the steps (disabled with --quiet and off world rank 0)."""
+    from tqdm import tqdm
+
+    return tqdm(range(steps), desc=desc, disable=quiet, file=sys.stderr, dynamic_ncols=True)
+
+
+def train(trainer, a, desc, after_step=None):
+    """The one training loop: ``a.steps`` steps, the loss on the bar (world rank 0), every
+    rank narrating the first step with --explain. ``after_step()`` runs after each step (the
+    pipeline's report reads the step's trace there). Returns the last loss (world rank 0)."""
+    rank = MPI.COMM_WORLD.Get_rank()
+    bar = progress(a.steps, desc, a.quiet or rank != 0)
+    loss = None
+    for step in bar:
+        comm.EXPLAIN = a.explain and step == 0
+        TRACE.clear()
+        loss = trainer.step(step)
+        if after_step is not None:
+            after_step()
+        if rank == 0:
+            bar.set_postfix(loss=f"{loss:.4f}")
+            if a.log_every and (step + 1) % a.log_every == 0:
+                bar.write(f"step {step + 1:5d}  loss {loss:.4f}")
+    comm.EXPLAIN = False
+    return loss
+
+
+def final_line(metrics, loss):
+    parts = [f"final train loss {loss:.4f}"]
+    parts += [f"{k.replace('_', ' ')} {v:.4f}" for k, v in metrics.items()]
+    return ", ".join(parts)
+
+
+def save_params(path, named_arrays):
+    """Write {canonical name: array} to an .npz file (plain arrays, no pickle)."""
+    np.savez(path, **{name: B.to_numpy(a) for name, a in named_arrays})
+
+
+def load_params(path):
+    with np.load(path, allow_pickle=False) as f:
+        return {k: f[k] for k in f.files}
+
+
+def cores():
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def main(scheme, argv=None):
+    """Run ``scheme`` with the command line ``argv``: parse and check, build, train, finish."""
+    comm.install_excepthook()
+    a = parse_args(scheme, argv)
+    if scheme == "pipeline" and a.print_schedule:
+        comm.log(format_schedule(a.schedule, a.stages, a.micro_batches, a.chunks))
+        return
+    task = serial.Task(a)
+    check_model(scheme, a, task)
+    comm.EXPLAIN = a.explain
+    if scheme == "hybrid":  # its Step 1 is carving the grid, so the scheme file does it
+        from mpipar.hybrid import make_grid
+        grid = make_grid(a.dp, a.tp, a.pp)
+    else:
+        grid = None if scheme == "serial" else Grid(a.dp, a.tp, a.pp)
+    if scheme == "hybrid" and a.print_grid:
+        text = grid.describe()
+        comm.log(f"grid dp {grid.dp_size} x tp {grid.tp_size} x pp {grid.pp_size} = "
+                 f"{grid.world.size} ranks; world_rank = dp*{grid.pp_size * grid.tp_size} + "
+                 f"pp*{grid.tp_size} + tp\n{text}")
+        return
+    trainer = trainer_class(scheme, a)(task, grid, a)
+    report = REPORTS[scheme](a, task, trainer, grid)
+    comm.log(report.header())
+    loss = train(trainer, a, report.desc, report.after_step)
+    comm.EXPLAIN = a.explain
+    params = trainer.full_params()  # narrated: a scheme's last step gathers the model
+    comm.EXPLAIN = False
+    lines = report.lines()  # a collective: every rank takes part
+    if MPI.COMM_WORLD.Get_rank() != 0:
+        return
+    before, after = lines
+    for line in before:
+        print(line, flush=True)
+    print(final_line(task.evaluate(task.model_with(params).forward), loss), flush=True)
+    for line in after:
+        print(line, flush=True)
+    if a.save_params:
+        save_params(a.save_params, params.items())
+        print(f"saved parameters to {a.save_params}", flush=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2 or sys.argv[1] not in SCHEMES:
+        sys.exit(f"usage: python -m mpipar.train {{{','.join(SCHEMES)}}} [flags]")
+    main(sys.argv[1], sys.argv[2:])
