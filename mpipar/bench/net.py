@@ -42,6 +42,7 @@ import time
 import numpy as np
 
 from mpipar.bench.common import PLOTS, environment, pyplot, run_ranks, save_figure, write_csv
+from mpipar.simulate import ring_allreduce_time
 
 PINGPONG_SIZES = [8 * 4**k for k in range(11)] + [16 * 2**20]  # 8 B .. 8 MiB, 16 MiB
 ALLREDUCE_SIZES = [8 * 8**k for k in range(8)]  # 8 B .. 16 MiB
@@ -62,7 +63,8 @@ def predict(algo, p, n, alpha, beta, gamma=0.0):
     if p == 1:
         return 0.0
     lg = math.ceil(math.log2(p))
-    ring = 2 * (p - 1) * alpha + 2 * (p - 1) / p * n * beta + (p - 1) / p * n * gamma
+    # the ring's alpha-beta part is the cost model's own formula; the reduction adds gamma
+    ring = ring_allreduce_time(n, p, alpha, beta) + (p - 1) / p * n * gamma
     if algo == "master":
         return 2 * lg * (alpha + n * beta) + lg * n * gamma
     if algo == "mpi":
