@@ -181,7 +181,7 @@ FLAG_RULES = [
     (HY, lambda a: min(v for v in (a.tp, a.pp, a.dp, 1) if v is not None) < 1,
      "--dp, --tp and --pp must be at least 1, got {a.dp}, {a.tp}, {a.pp}"),
     (DP + PP + HY, lambda a: a.micro_batches < 1,
-     "--micro-batches must be at least 1, got {a.micro_batches}"),
+     "--micro-batches must be positive, got {a.micro_batches}"),
     (DP + HY, lambda a: a.batch_size < a.replicas * a.micro_batches,
      "the global batch of {a.batch_size} rows cannot be split over {a.replicas} ranks x "
      "{a.micro_batches} micro-batch(es): every rank needs at least one row per micro-batch (use "

@@ -77,7 +77,7 @@ HEADER_LEN = 10  # tag, micro-batch id, dtype code, ndim, up to 6 dims
 
 
 # ----------------------------------------------------------------------------- comm helpers
-def send_tensor(pp_comm, a, dest, tag, micro_id, what):
+def send_tensor(pp_comm, a, dest, tag, micro_id, what="a tensor"):
     """Post a header (tag, micro-batch id, dtype, shape) and then the array; return both
     requests. Non-blocking, so a sender never waits for its receiver."""
     a = B.xp.ascontiguousarray(a)
@@ -90,7 +90,7 @@ def send_tensor(pp_comm, a, dest, tag, micro_id, what):
             pp_comm.Isend(a, dest, tag, what=what)]
 
 
-def recv_tensor(pp_comm, source, tag, micro_id, rows, dtype, what):
+def recv_tensor(pp_comm, source, tag, micro_id, rows, dtype, what="a tensor"):
     """Receive the header, check it names the expected micro-batch, dtype and row count, then
     receive the array into a FRESH buffer (the stage caches it by reference until backward)."""
     header = np.empty(HEADER_LEN, dtype=np.int64)
@@ -101,11 +101,11 @@ def recv_tensor(pp_comm, source, tag, micro_id, rows, dtype, what):
         got_dtype = np.dtype(chr(code))
     except (TypeError, ValueError, OverflowError):  # not a header at all
         got_dtype = f"<dtype code {code}>"
-    what = "activation" if tag % CHUNK_TAG == TAG_ACT else "gradient"
+    kind = "activation" if tag % CHUNK_TAG == TAG_ACT else "gradient"
     if (got_tag, got_micro, got_dtype) != (tag, micro_id, np.dtype(dtype)) or \
             not shape or shape[0] != rows:
         raise ValueError(
-            f"stage {pp_comm.rank} expected the {what} of micro-batch {micro_id} ({rows} rows, "
+            f"stage {pp_comm.rank} expected the {kind} of micro-batch {micro_id} ({rows} rows, "
             f"{np.dtype(dtype)}) from stage {source}, but the header says micro-batch {got_micro}, "
             f"shape {shape}, {got_dtype} (tag {got_tag}): the two stages' schedules disagree")
     buf = B.xp.empty(shape, dtype=dtype)

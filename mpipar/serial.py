@@ -24,10 +24,12 @@ DEFAULTS = {  # per model: what trains well within a minute on 2 cores
 class Task:
     """A model, its data and its loss, built identically on every rank."""
 
-    def __init__(self, args):
+    def __init__(self, args, data_set=None):
         self.args = args
         self.kind = args.model
-        if self.kind == "mlp":
+        if data_set is not None:  # the same data, already loaded (it depends on model and seed)
+            self.data = data_set
+        elif self.kind == "mlp":
             self.data = data.Digits(args.seed)
         else:
             self.data = data.Text(args.seed)

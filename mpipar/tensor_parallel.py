@@ -390,13 +390,14 @@ class TensorParallel:
         x, y = self.task.to_device(*self.task.batch(step))  # the whole batch on every rank
         self.updater.zero_grad()
 
-        # -- TP Step 2: each rank computes the forward pass for its part of the tensors --
+        # Steps 2 and 3, forward: each rank computes with its shards (the layers under Step 2
+        # above); g Allreduces their partial sums (under Step 3)
         C.narrate("TP Step 2: forward: each rank computes with its own shards (columns, rows, "
                   "heads, vocabulary block); g Allreduces the partial sums (Step 3)")
         logits = self.model.forward(x)  # (B, T, V/t) or (B, 10)
         loss = self.loss_fn.forward(logits, y, normalizer=y.size)
 
-        # -- TP Step 3: backward, with f Allreducing the input gradients of column layers --
+        # Step 3, backward: f Allreduces the input gradients of the column-parallel layers
         C.narrate("TP Step 3, backward: f Allreduces the input gradients of the column-parallel "
                   "layers; each shard's gradient is then complete")
         self.model.backward(self.loss_fn.backward())

@@ -7,6 +7,7 @@ and ``gantt`` draws them: one row per rank, idle time left blank.
 
 from contextlib import contextmanager
 
+import numpy as np
 from mpi4py import MPI
 
 
@@ -83,3 +84,33 @@ def gantt(per_rank, path, title="", kinds_colors=None, row_label="stage", ax=Non
     plt.close(fig)
     return path
 
+
+# ----------------------------------------------------------------------------- bubbles
+def step_summary(events):
+    """(first forward start, last backward end, busy seconds) of one rank's traced step."""
+    spans = [(t0, t1) for t0, t1, kind, _, _ in events if kind in ("forward", "backward")]
+    return (min(t0 for t0, _ in spans), max(t1 for _, t1 in spans),
+            sum(t1 - t0 for t0, t1 in spans))
+
+
+def measured_bubble(summaries):
+    """Idle share of one step from every rank's summary: 1 - busy / (P * span)."""
+    begin = min(s[0] for s in summaries)
+    end = max(s[1] for s in summaries)
+    return 1.0 - sum(s[2] for s in summaries) / (len(summaries) * (end - begin))
+
+
+def median_bubble(per_rank_summaries, skip=1):
+    """Median over steps (after ``skip`` warm-up steps) of the measured bubble."""
+    n_steps = len(per_rank_summaries[0])
+    steps = range(min(skip, n_steps - 1), n_steps)
+    return float(np.median([measured_bubble([s[i] for s in per_rank_summaries]) for i in steps]))
+
+
+def median_step(per_rank_summaries, skip=1):
+    """The step whose span (first forward to last backward, over all ranks) is the median:
+    a typical step to draw, not one that another process happened to interrupt."""
+    n_steps = len(per_rank_summaries[0])
+    spans = [(max(s[i][1] for s in per_rank_summaries) - min(s[i][0] for s in per_rank_summaries),
+              i) for i in range(min(skip, n_steps - 1), n_steps)]
+    return sorted(spans)[len(spans) // 2][1]

@@ -30,7 +30,7 @@ from mpipar import comm, serial
 from mpipar.cli import SCHEMES, check_model, layer_names, parse_args
 from mpipar.grid import Grid
 from mpipar.schedules import bubble_formula, format_schedule, peak_in_flight
-from mpipar.trace import TRACE, gantt
+from mpipar.trace import TRACE, gantt, median_bubble, median_step, step_summary
 
 DRAWN = ("forward", "backward", "optimizer")  # trace kinds on the timeline; the rest is idle
 
@@ -128,7 +128,7 @@ class PipelineReport(Report):
             return [], []
         a, p, v, m = self.a, self.a.stages, self.a.chunks, self.a.micro_batches
         in_flight = [peak_in_flight(self.trainer.schedule_of(s)) for s in range(p)]
-        shared = f" ({p} ranks on {cores()} cores)" if p > cores() else ""
+        shared = f" ({p} ranks on {B.cores()} cores)" if p > B.cores() else ""
         steps = f"steps 2..{a.steps}" if a.steps > 2 else \
             ("step 2" if a.steps == 2 else "step 1, the only one")
         after = [f"bubble measured from the trace {median_bubble(summaries):.3f} (median over "
@@ -179,37 +179,6 @@ class HybridReport(Report):
 REPORTS = {"serial": Report, "data_parallel": DataParallelReport,
            "tensor_parallel": TensorParallelReport, "pipeline": PipelineReport,
            "hybrid": HybridReport}
-
-
-# ----------------------------------------------------------------------------- measuring
-def step_summary(events):
-    """(first forward start, last backward end, busy seconds) of one rank's traced step."""
-    spans = [(t0, t1) for t0, t1, kind, _, _ in events if kind in ("forward", "backward")]
-    return (min(t0 for t0, _ in spans), max(t1 for _, t1 in spans),
-            sum(t1 - t0 for t0, t1 in spans))
-
-
-def measured_bubble(summaries):
-    """Idle share of one step from every rank's summary: 1 - busy / (P * span)."""
-    begin = min(s[0] for s in summaries)
-    end = max(s[1] for s in summaries)
-    return 1.0 - sum(s[2] for s in summaries) / (len(summaries) * (end - begin))
-
-
-def median_bubble(per_rank_summaries, skip=1):
-    """Median over steps (after ``skip`` warm-up steps) of the measured bubble."""
-    n_steps = len(per_rank_summaries[0])
-    steps = range(min(skip, n_steps - 1), n_steps)
-    return float(np.median([measured_bubble([s[i] for s in per_rank_summaries]) for i in steps]))
-
-
-def median_step(per_rank_summaries, skip=1):
-    """The step whose span (first forward to last backward, over all ranks) is the median:
-    a typical step to draw, not one that another process happened to interrupt."""
-    n_steps = len(per_rank_summaries[0])
-    spans = [(max(s[i][1] for s in per_rank_summaries) - min(s[i][0] for s in per_rank_summaries),
-              i) for i in range(min(skip, n_steps - 1), n_steps)]
-    return sorted(spans)[len(spans) // 2][1]
 
 
 def _fmt_bytes(n):
@@ -277,11 +246,6 @@ def save_params(path, named_arrays):
 def load_params(path):
     with np.load(path, allow_pickle=False) as f:
         return {k: f[k] for k in f.files}
-
-
-def cores():
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def main(scheme, argv=None):

@@ -41,8 +41,9 @@ def test_command_line_matches_serial_with_synchronous_sends(mpirun, tmp_path, ca
         for step in range(1, 7):
             assert out.count(f"[rank {rank}] HY Step {step}:") == 1, (rank, step)
         assert out.count(f"[rank {rank}] HY Step 7:") == (rank < 4), rank
-    assert "[dp rank 1] Allreduce" in out and "[tp rank 1] Allreduce" in out
-    assert "[pp rank 1] Send" in out
+    # every call names the world rank and the group rank (rank 5 is dp 1, pp 0, tp 1)
+    assert "[rank 5, dp 1] Allreduce" in out and "[rank 1, tp 1] Allreduce" in out
+    assert "[rank 2, pp 1] Send" in out and "[rank 2, pp 1] Isend posted" in out
 
 
 def test_print_grid_follows_the_layout_formula(mpirun):
@@ -83,8 +84,8 @@ def test_built_from_the_three_schemes():
     """The hybrid reuses the schemes' code: it makes no MPI call of its own on arrays and
     defines no layer."""
     source = (ROOT / "mpipar" / "hybrid.py").read_text()
-    for name in ("TP.build_tp_model", "TP.tp_loss", "TP.LocalUpdate", "TP.gather_full_params",
-                 "PP.plan_stages", "PP.build_stage", "PP.run_pipeline", "PP.gather_params",
-                 "DP.GradSync"):
+    for name in ("tp_models.build_tp_model", "tp_models.tp_loss", "TP.LocalUpdate",
+                 "TP.gather_full_params", "plan.plan_stages", "PP.build_stage",
+                 "PP.run_pipeline", "PP.gather_params", "DP.GradSync"):
         assert name in source, name
     assert not re.search(r"\.(Allreduce|Iallreduce|Send|Isend|Recv|Bcast)\(", source)

@@ -8,7 +8,7 @@ import pytest
 
 from mpipar import nn, plan, schedules
 from mpipar import simulate as S
-from mpipar import tensor_parallel as TP
+from mpipar import tp_models as TP
 
 HW = S.this_machine(flops=1e9, alpha=1e-5, beta=1e-9)
 

@@ -19,7 +19,9 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THRE
 
 
 def cores():
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    from mpipar.backend import cores as backend_cores  # NumPy only: no MPI in the launcher
+
+    return backend_cores()
 
 
 def environment(ranks=1, threads=1):
@@ -115,3 +117,20 @@ def save_figure(fig, path):
     fig.savefig(path, dpi=110)
     pyplot().close(fig)
     return path
+
+
+def bench_parser(name, quick_help="fewer sizes and repeats", worker=True):
+    """The command line every benchmark starts from: ``--quick``, and (unless it has its own)
+    the hidden ``--worker`` flag with which its mpirun ranks run the timed part."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog=f"python -m mpipar.bench {name}")
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    if worker:
+        ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return ap
+
+
+def wrote(*paths):
+    """Say where a benchmark wrote its CSV and pictures."""
+    print("-> " + ", ".join(map(str, paths)), flush=True)

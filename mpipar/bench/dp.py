@@ -55,7 +55,17 @@ import ctypes.util
 import os
 import statistics
 
-from mpipar.bench.common import PLOTS, cores, environment, pyplot, run_ranks, save_figure, write_csv
+from mpipar.bench.common import (
+    PLOTS,
+    bench_parser,
+    cores,
+    environment,
+    pyplot,
+    run_ranks,
+    save_figure,
+    write_csv,
+    wrote,
+)
 
 SIZES = "64,1024,1024,1024,10"
 BATCH = 1024
@@ -94,20 +104,22 @@ def worker(rounds, warmup):
     from mpi4py import MPI
 
     from mpipar import comm as C
-    from mpipar import data_parallel as DP
     from mpipar import serial
     from mpipar.bench.common import emit
+    from mpipar.cli import parse_args
     from mpipar.grid import Grid
     from mpipar.trace import TRACE
+    from mpipar.train import trainer_class
 
     C.install_excepthook()
     heap = steady_heap()
-    dp_comm = Grid(dp=C.world().size).dp_comm
+    grid = Grid(dp=C.world().size)
+    dp_comm = grid.dp_comm
     task, trainers = None, {}
     for mode, flags in MODES.items():
-        args = DP.parse_args(MODEL + flags, dp_comm.size)
-        task = task or serial.Task(args)  # the data depends only on the shared model flags
-        trainers[mode] = DP.DataParallel(args, task, dp_comm, task.build_model().init(0))
+        args = parse_args("data_parallel", MODEL + flags, dp_comm.size)
+        task = serial.Task(args, task and task.data)  # the data depends on the model flags only
+        trainers[mode] = trainer_class("data_parallel", args)(task, grid, args)
     step = 0
     for _ in range(warmup):  # in the timed order, so that the heap reaches its steady size
         for dp in trainers.values():
@@ -136,8 +148,9 @@ def worker(rounds, warmup):
         for mode, dp in trainers.items():
             emit({"ranks": dp_comm.size, "mode": mode, "samples": samples[mode],
                   "params": dp.n, "grad_bytes": dp.flat.nbytes,
-                  "buckets": len(dp.sync.buckets) if dp.sync else 1,
-                  "bucket_bytes": [b.flat.nbytes for b in dp.sync.buckets] if dp.sync else [],
+                  "buckets": len(dp.sync.buckets) if hasattr(dp, "sync") else 1,
+                  "bucket_bytes": [b.flat.nbytes for b in dp.sync.buckets]
+                  if hasattr(dp, "sync") else [],
                   "optimizer_state_bytes": state[mode], "steady_heap": heap})
 
 
@@ -192,10 +205,8 @@ def plot(rows, path):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m mpipar.bench dp")
-    ap.add_argument("--quick", action="store_true", help="one launch per rank count, few rounds")
+    ap = bench_parser("dp", "one launch per rank count, few rounds")
     ap.add_argument("--rounds", type=int, default=6, help="timed steps per mode and launch")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--warmup", type=int, default=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -259,7 +270,7 @@ def main(argv=None):
     verdict = "met" if target["speedup"] >= 1.8 else "NOT met"
     print(f"target: P=2 allreduce+overlap >= 1.8x faster than P=1: {target['speedup']:.2f}x, "
           f"{verdict}")
-    print(f"-> {path}, {png}")
+    wrote(path, png)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ plain SGD. Both steps do the same arithmetic (forward, softmax cross-entropy, ba
 so the ratio is the price of the layer abstraction: Python calls, caching, dispatch.
 """
 
-import argparse
 import statistics
 import time
 
@@ -16,7 +15,7 @@ import numpy as np
 
 from mpipar import backend as B
 from mpipar import nn, optim
-from mpipar.bench.common import PLOTS, environment, pyplot, save_figure, write_csv
+from mpipar.bench.common import PLOTS, bench_parser, environment, pyplot, save_figure, write_csv
 
 SIZES = [784, 128, 127, 126, 125, 124, 123, 10]
 
@@ -68,10 +67,9 @@ def plot(engine, bare, ratio):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m mpipar.bench engine")
+    ap = bench_parser("engine", worker=False)
     ap.add_argument("--batch-size", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=200)
-    ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
     repeats = 30 if args.quick else args.repeats
     B.use("numpy", "float32")

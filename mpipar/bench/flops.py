@@ -30,7 +30,7 @@ import argparse
 import statistics
 import time
 
-from mpipar.bench.common import emit, environment, run_ranks, write_csv
+from mpipar.bench.common import bench_parser, emit, environment, run_ranks, write_csv, wrote
 
 N = 512  # float32 (N, N) @ (N, N): 0.27 GFLOP, a few ms on one core
 REPS = 8  # products per rank and repeat
@@ -86,9 +86,7 @@ def measure(quick=False):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m mpipar.bench flops")
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap = bench_parser("flops")
     ap.add_argument("--repeats", type=int, default=15, help=argparse.SUPPRESS)
     ap.add_argument("--computing", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -109,7 +107,7 @@ def main(argv=None):
               f"{row['gflops_per_rank']:7.2f} GFLOP/s per rank by the last to finish "
               f"({row['share_of_one']:.2f} of one alone), {row['gflops_mean']:7.2f} on average "
               f"({row['share_mean']:.2f})")
-    print(f"-> {path}")
+    wrote(path)
 
 
 if __name__ == "__main__":

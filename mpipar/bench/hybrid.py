@@ -32,6 +32,7 @@ import statistics
 
 from mpipar.bench.common import (
     PLOTS,
+    bench_parser,
     cores,
     environment,
     median_time,
@@ -39,6 +40,7 @@ from mpipar.bench.common import (
     run_ranks,
     save_figure,
     write_csv,
+    wrote,
 )
 
 MODEL = ["--model", "gpt", "--d-model", "128", "--n-heads", "4", "--n-layers", "4",
@@ -60,6 +62,7 @@ def worker(rounds, warmup):
     from mpipar import hybrid as H
     from mpipar import serial
     from mpipar.bench.common import emit
+    from mpipar.cli import parse_args
     from mpipar.grid import layouts
     from mpipar.trace import TRACE
 
@@ -67,11 +70,11 @@ def worker(rounds, warmup):
     world = C.world()
     task, trainers = None, {}
     for d, t, p in layouts(world.size):
-        args = H.parse_args(MODEL + ["--dp", str(d), "--tp", str(t), "--pp", str(p),
-                                     "--micro-batches", str(MICRO), "--schedule", SCHEDULE],
-                            world.size)
-        task = task or serial.Task(args)  # the data depends only on the shared model flags
-        trainers[(d, t, p)] = H.Hybrid(args, task, H.make_grid(d, t, p))
+        args = parse_args("hybrid", MODEL + ["--dp", str(d), "--tp", str(t), "--pp", str(p),
+                                             "--micro-batches", str(MICRO), "--schedule",
+                                             SCHEDULE], world.size)
+        task = serial.Task(args, task and task.data)  # the data depends on the model flags only
+        trainers[(d, t, p)] = H.Hybrid(task, H.make_grid(d, t, p), args)
     step = 0
     for trainer in trainers.values():
         for _ in range(warmup):
@@ -109,9 +112,9 @@ def worker(rounds, warmup):
 def serial_step_time(repeats):
     """The serial trainer's step on the same model and global batch, in this process."""
     from mpipar import serial
+    from mpipar.cli import parse_args
 
-    ap = serial.add_common_args(argparse.ArgumentParser())
-    args = serial.finish_args(ap.parse_args(MODEL))
+    args = parse_args("serial", MODEL)
     task = serial.Task(args)
     model = task.build_model().init(args.seed)
     opt = serial.make_optimizer(args, model.parameters())
@@ -165,10 +168,8 @@ def plot(rows, path):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m mpipar.bench hybrid")
-    ap.add_argument("--quick", action="store_true", help="one launch, few rounds")
+    ap = bench_parser("hybrid", "one launch, few rounds")
     ap.add_argument("--rounds", type=int, default=8, help="timed steps per layout and launch")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--warmup", type=int, default=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -190,9 +191,9 @@ def main(argv=None):
     serial_ms = serial_step_time(3 if args.quick else 7) * 1e3
 
     from mpipar import serial
+    from mpipar.cli import parse_args
 
-    ap_model = serial.add_common_args(argparse.ArgumentParser())
-    model_args = serial.finish_args(ap_model.parse_args(MODEL))
+    model_args = parse_args("serial", MODEL)
     params = sum(p.size for p in serial.Task(model_args).build_model().parameters())
     rows = []
     for (d, t, p), res in runs.items():
@@ -225,7 +226,7 @@ def main(argv=None):
         print(f"{r['layout']:<14} {r['step_ms']:8.1f} {r['serial_over_step']:11.2f} "
               f"{r['total_bytes_max'] / 2**20:8.2f} {r['total_bytes_min'] / 2**20:8.2f} "
               + " ".join(f"{r[f'{g}_bytes'] / 2**10:8.0f}" for g in GROUPS))
-    print(f"-> {path}, {png}")
+    wrote(path, png)
 
 
 if __name__ == "__main__":

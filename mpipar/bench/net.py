@@ -41,7 +41,16 @@ import time
 
 import numpy as np
 
-from mpipar.bench.common import PLOTS, environment, pyplot, run_ranks, save_figure, write_csv
+from mpipar.bench.common import (
+    PLOTS,
+    bench_parser,
+    environment,
+    pyplot,
+    run_ranks,
+    save_figure,
+    write_csv,
+    wrote,
+)
 from mpipar.simulate import ring_allreduce_time
 
 PINGPONG_SIZES = [8 * 4**k for k in range(11)] + [16 * 2**20]  # 8 B .. 8 MiB, 16 MiB
@@ -248,8 +257,7 @@ def plot(ping, alpha, beta, gamma, rows, path):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m mpipar.bench net")
-    ap.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    ap = bench_parser("net", "fewer sizes and repeats", worker=False)
     ap.add_argument("--worker", choices=["pingpong", "allreduce", "lockstep"],
                     help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -299,7 +307,7 @@ def main(argv=None):
               + ("  (oversubscribed)" if 4 > cores() else ""))
     path = write_csv("net.csv", rows)
     png = plot(ping, alpha, beta, gamma, measured, PLOTS / "net_allreduce.png")
-    print(f"-> {path}, {png}")
+    wrote(path, png)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import statistics
 
 from mpipar.bench.common import (
     PLOTS,
+    bench_parser,
     cores,
     environment,
     median_time,
@@ -36,6 +37,7 @@ from mpipar.bench.common import (
     run_ranks,
     save_figure,
     write_csv,
+    wrote,
 )
 
 WIDTH, ROWS, LAYERS = 1024, 64, 4  # per stage: LAYERS x (Linear(WIDTH, WIDTH), ReLU)
@@ -74,15 +76,16 @@ def worker(micro_counts, steps, warmup):
     from mpipar import pipeline as PP
     from mpipar.bench.common import emit
     from mpipar.grid import Grid
+    from mpipar.plan import stage_bounds
     from mpipar.schedules import SCHEDULES, peak_in_flight
-    from mpipar.trace import TRACE
+    from mpipar.trace import TRACE, measured_bubble, median_step, step_summary
 
     C.install_excepthook()
     B.use("numpy", "float32")
     pp = Grid(pp=C.world().size).pp_comm
     P, r = pp.size, pp.rank
     model = build_model(P)
-    bounds = PP.stage_bounds([2 * LAYERS] * P)[r]
+    bounds = stage_bounds([2 * LAYERS] * P)[r]
     loss_fn = nn.MSE()
 
     probe = PP.build_stage(model, bounds, 0)  # one micro-batch's stash on this stage
@@ -114,7 +117,7 @@ def worker(micro_counts, steps, warmup):
             t = MPI.Wtime() - t0
             c["peak"] = max(c["peak"], result.peak_stash_bytes)
             if step >= warmup:
-                c["samples"].append((t, PP.step_summary(TRACE.events)))
+                c["samples"].append((t, step_summary(TRACE.events)))
                 if m == TIMELINE_M:
                     c["traces"].append([e[:4] + ({"micro": e[4]["micro"]}
                                                  if "micro" in e[4] else {},)
@@ -127,9 +130,9 @@ def worker(micro_counts, steps, warmup):
                                       traces=c["traces"] if m == TIMELINE_M else None))
         if r == 0:
             # the timeline shows the median step by duration, not one another process hit
-            typical = PP.median_step([[s[1] for s in e["samples"]] for e in everyone], skip=0)
+            typical = median_step([[s[1] for s in e["samples"]] for e in everyone], skip=0)
             step_times = [max(e["samples"][i][0] for e in everyone) for i in range(steps)]
-            bubbles = [PP.measured_bubble([e["samples"][i][1] for e in everyone])
+            bubbles = [measured_bubble([e["samples"][i][1] for e in everyone])
                        for i in range(steps)]
             emit(dict(ranks=P, schedule=name, m=m, step_s=statistics.median(step_times),
                       bubble=statistics.median(bubbles),
@@ -237,10 +240,8 @@ def plot_timelines(results, p, path):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m mpipar.bench pp")
-    ap.add_argument("--quick", action="store_true", help="fewer micro-batch counts and steps")
+    ap = bench_parser("pp", "fewer micro-batch counts and steps")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per configuration")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--micro", default=",".join(map(str, MICRO)), help=argparse.SUPPRESS)
     ap.add_argument("--warmup", type=int, default=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -295,7 +296,7 @@ def main(argv=None):
           f"{'met' if worst <= 0.05 else 'NOT met'}")
     mismatch = [r for r in rows if r["peak_stash_bytes"] != r["predicted_stash_bytes"]]
     print(f"peak stash equals the prediction on every stage: {not mismatch}")
-    print(f"-> {path}, " + ", ".join(map(str, pngs)))
+    wrote(path, *pngs)
 
 
 if __name__ == "__main__":

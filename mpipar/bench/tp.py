@@ -34,7 +34,6 @@ in log h. Both ranks of P = 2 and the one of P = 1 run in the same launch, in in
 rounds, on a machine that other work may share: ratios, not absolute times, are the result.
 """
 
-import argparse
 import os
 import statistics
 
@@ -42,6 +41,7 @@ import numpy as np
 
 from mpipar.bench.common import (
     PLOTS,
+    bench_parser,
     cores,
     environment,
     pyplot,
@@ -49,6 +49,7 @@ from mpipar.bench.common import (
     run_ranks,
     save_figure,
     write_csv,
+    wrote,
 )
 
 HIDDEN = [32, 64, 96, 128, 192, 256, 384, 512, 768, 1024]
@@ -80,8 +81,7 @@ def worker(hidden, repeats, budget):
 
     from mpipar import backend as B
     from mpipar import comm as C
-    from mpipar import optim
-    from mpipar import tensor_parallel as tp
+    from mpipar import optim, tp_models
     from mpipar.bench.common import emit
     from mpipar.grid import Grid
     from mpipar.trace import TRACE
@@ -93,7 +93,7 @@ def worker(hidden, repeats, budget):
     rng = np.random.default_rng(0)
 
     def make_step(h, b, s, comm):
-        block = tp.ParallelBlock(h, heads_for(h), comm).init(0, "blocks.0.")
+        block = tp_models.ParallelBlock(h, heads_for(h), comm).init(0, "blocks.0.")
         opt = optim.SGD(block.parameters(), lr=1e-4)
         x = rng.standard_normal((b, s, h)).astype(np.float32)  # (B, T, C)
         dout = (1e-3 * rng.standard_normal((b, s, h))).astype(np.float32)
@@ -249,9 +249,7 @@ def plot(rows, path):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m mpipar.bench tp")
-    ap.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap = bench_parser("tp", "fewer sizes and repeats")
     ap.add_argument("--plot-only", action="store_true",
                     help="redraw plots/tp_comm_share.png from plots/tp.csv, measure nothing")
     ap.add_argument("--hidden", default=",".join(map(str, HIDDEN)))
@@ -265,7 +263,7 @@ def main(argv=None):
         worker(hidden, repeats, args.budget)
         return
     if args.plot_only:
-        print(f"-> {plot(read_csv('tp.csv'), PLOTS / 'tp_comm_share.png')}")
+        wrote(plot(read_csv('tp.csv'), PLOTS / 'tp_comm_share.png'))
         return
 
     from mpipar.bench.net import measure_alpha_beta, measure_gamma
@@ -325,7 +323,7 @@ def main(argv=None):
         print(f"P = 2 pays off from h = {cross_m} (measured) / h = {cross_p} (alpha-beta model)")
     path = write_csv("tp.csv", rows)
     png = plot(rows, PLOTS / "tp_comm_share.png")
-    print(f"-> {path}, {png}")
+    wrote(path, png)
 
 
 if __name__ == "__main__":

@@ -16,17 +16,17 @@ Also a GPT with buckets and overlap, and an MLP whose stage boundary cuts a colu
 (the activation between the stages is split over the tp ranks).
 """
 
-import argparse
 import hashlib
 import sys
 
 import numpy as np
+from reference import make_task, serial_run
 
 from mpipar import backend as B
 from mpipar import comm as C
 from mpipar import hybrid as H
-from mpipar import serial
 from mpipar import tensor_parallel as TP
+from mpipar.cli import parse_args
 from mpipar.trace import TRACE
 
 C.install_excepthook()
@@ -49,22 +49,15 @@ def task_for(flags):
     """One Task (and its data) per model, shared by the layouts."""
     key = tuple(flags)
     if key not in TASKS:
-        ap = serial.add_common_args(argparse.ArgumentParser())
-        args = serial.finish_args(ap.parse_args(flags + ["--dtype", "float64"]))
-        TASKS[key] = serial.Task(args)
+        TASKS[key] = make_task(flags + ["--dtype", "float64"])
     return TASKS[key]
 
 
-def serial_run(flags):
+def reference(flags):
     """The serial trainer's losses per step and parameters after STEPS steps."""
     key = tuple(flags)
     if key not in REFS:
-        task = task_for(flags)
-        model = task.build_model().init(task.args.seed)
-        opt = serial.make_optimizer(task.args, model.parameters())
-        losses = [serial.train_step(model, task.loss_fn, opt, *task.to_device(*task.batch(s)))
-                  for s in range(STEPS)]
-        REFS[key] = losses, {n: B.to_numpy(p.data).copy() for n, p in model.named_parameters()}
+        REFS[key] = serial_run(task_for(flags), STEPS)[:2]
     return REFS[key]
 
 
@@ -120,13 +113,13 @@ def check_sync(trainer, name):
 def check(layout, schedule, flags, extra=()):
     d, t, p = layout
     name = f"{flags[1]} dp={d} tp={t} pp={p} {schedule} {' '.join(extra)}"
-    ref_losses, ref_params = serial_run(flags)
+    ref_losses, ref_params = reference(flags)
     task = task_for(flags)
-    args = H.parse_args(flags + ["--dtype", "float64", "--dp", str(d), "--tp", str(t), "--pp",
-                                 str(p), "--schedule", schedule, "--micro-batches", "2", *extra],
-                      N)
+    args = parse_args("hybrid", flags + ["--dtype", "float64", "--dp", str(d), "--tp", str(t),
+                                         "--pp", str(p), "--schedule", schedule,
+                                         "--micro-batches", "2", *extra], N)
     grid = H.make_grid(d, t, p)
-    trainer = H.Hybrid(args, task, grid)
+    trainer = H.Hybrid(task, grid, args)
     for step in range(STEPS):
         for group in (grid.dp_comm, grid.tp_comm, grid.pp_comm):
             group.reset_stats()

@@ -10,16 +10,16 @@ the stash predicted chunk by chunk. Also: a hand-set --partition, the header che
 message, and (on one rank) the partition by FLOPs. --quick runs a subset.
 """
 
-import argparse
 import itertools
 import sys
 
 import numpy as np
+from reference import make_task, serial_run
 
 from mpipar import backend as B
 from mpipar import comm as C
 from mpipar import pipeline as PP
-from mpipar import serial
+from mpipar import plan, serial
 from mpipar.grid import Grid
 from mpipar.schedules import SCHEDULES, Backward, Forward, interleaved, peak_in_flight
 
@@ -34,21 +34,6 @@ MODELS = {
     "gpt": ["--model", "gpt", "--d-model", "16", "--n-heads", "2", "--n-layers", "3",
             "--seq-len", "8", "--batch-size", "8"],
 }
-
-
-def make_task(flags):
-    ap = serial.add_common_args(argparse.ArgumentParser())
-    args = serial.finish_args(ap.parse_args(flags + ["--dtype", "float64", "--steps", "3"]))
-    return serial.Task(args)
-
-
-def serial_run(task):
-    """Losses of each step and the parameters after STEPS steps of the serial trainer."""
-    model = task.build_model().init(task.args.seed)
-    opt = serial.make_optimizer(task.args, model.parameters())
-    losses = [serial.train_step(model, task.loss_fn, opt, *task.to_device(*task.batch(s)))
-              for s in range(STEPS)]
-    return losses, {n: B.to_numpy(p.data).copy() for n, p in model.named_parameters()}
 
 
 def stash_of_one_micro_batch(task, bounds, m):
@@ -108,8 +93,8 @@ def check_gathered(name, held, ref_params):
 
 def check(task, ref_losses, ref_params, schedule, m, partition=None, gather=False):
     name = f"{task.kind} {schedule} m={m} partition={partition}"
-    counts, _ = PP.plan_stages(task, P, m, partition)
-    bounds = PP.stage_bounds(counts)[r]
+    counts, _ = plan.plan_stages(task, P, m, partition)
+    bounds = plan.stage_bounds(counts)[r]
     stage = PP.build_stage(task.build_model(), bounds, task.args.seed)
     instructions = SCHEDULES[schedule](P, r, m)
     peak = train_and_compare(name, task, stage, instructions, m, ref_losses, ref_params)
@@ -123,8 +108,8 @@ def check(task, ref_losses, ref_params, schedule, m, partition=None, gather=Fals
 def check_interleaved(task, ref_losses, ref_params, m, v=2):
     """Interleaved 1F1B: the model in P*v pieces, chunk c of this rank is piece c*P + r."""
     name = f"{task.kind} interleaved v={v} m={m}"
-    counts, _ = PP.plan_stages(task, P * v, m)
-    bounds = PP.stage_bounds(counts)
+    counts, _ = plan.plan_stages(task, P * v, m)
+    bounds = plan.stage_bounds(counts)
     mine = [bounds[c * P + r] for c in range(v)]
     chunks = [PP.build_stage(task.build_model(), b, task.args.seed) for b in mine]
     instructions = interleaved(P, r, m, v)
@@ -141,21 +126,21 @@ def check_interleaved(task, ref_losses, ref_params, m, v=2):
 
 def check_partition():
     """The FLOPs partition on its own (pure function; checked once, on one rank)."""
-    assert PP.partition([1, 1, 1, 1], 2) == [2, 2]
-    assert PP.partition([5, 1, 1, 1, 1, 1], 2) == [1, 5]  # the big layer alone
-    assert PP.partition([0, 3, 3, 3, 3, 1], 4) == [2, 1, 1, 2]
-    assert PP.partition([0, 0, 0, 0, 0, 0], 3) == [2, 2, 2]  # ties: even layer counts
-    assert PP.partition([7], 1) == [1]
+    assert plan.partition([1, 1, 1, 1], 2) == [2, 2]
+    assert plan.partition([5, 1, 1, 1, 1, 1], 2) == [1, 5]  # the big layer alone
+    assert plan.partition([0, 3, 3, 3, 3, 1], 4) == [2, 1, 1, 2]
+    assert plan.partition([0, 0, 0, 0, 0, 0], 3) == [2, 2, 2]  # ties: even layer counts
+    assert plan.partition([7], 1) == [1]
     costs = np.random.default_rng(0).integers(0, 100, 9)
     for p in range(1, 10):  # against brute force over every cut
         best = min(max(sum(costs[a:b]) for a, b in zip((0,) + cut, cut + (9,)))
                    for cut in itertools.combinations(range(1, 9), p - 1))
-        counts = PP.partition(costs, p)
+        counts = plan.partition(costs, p)
         ends = np.cumsum(counts)
         assert len(counts) == p and min(counts) >= 1 and ends[-1] == 9
         assert max(sum(costs[a:b]) for a, b in zip([0, *ends[:-1]], ends)) == best
     try:
-        PP.partition([1, 2], 3)
+        plan.partition([1, 2], 3)
     except ValueError:
         pass
     else:
@@ -186,8 +171,8 @@ if P >= 2:
 schedules = ["gpipe", "1f1b"] if quick else list(SCHEDULES)
 micro_counts = [1, 4] if quick else [1, 2, 4, 8]
 for flags in MODELS.values():
-    task = make_task(flags)
-    ref_losses, ref_params = serial_run(task)
+    task = make_task(flags + ["--dtype", "float64", "--steps", "3"])
+    ref_losses, ref_params, _ = serial_run(task, STEPS)
     for schedule in schedules:
         for m in micro_counts:
             check(task, ref_losses, ref_params, schedule, m, gather=(schedule, m) == ("1f1b", 2))
@@ -198,8 +183,8 @@ if P in (2, 4):
     deep_gpt = ["--model", "gpt", "--d-model", "16", "--n-heads", "2", "--n-layers", "6",
                 "--seq-len", "8", "--batch-size", "8"]
     for flags in (MODELS["mlp"], deep_gpt):
-        task = make_task(flags)
-        ref_losses, ref_params = serial_run(task)
+        task = make_task(flags + ["--dtype", "float64", "--steps", "3"])
+        ref_losses, ref_params, _ = serial_run(task, STEPS)
         for m in (4, 8):
             check_interleaved(task, ref_losses, ref_params, m)
 C.log(f"pp checks passed on {P} ranks")

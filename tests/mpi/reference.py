@@ -5,10 +5,15 @@ from mpipar import backend as B
 from mpipar import serial
 from mpipar.cli import parse_args
 
+DATA = {}  # one data set per (model, seed), shared by every task of a script
+
 
 def make_task(flags, scheme="serial", n_ranks=1):
     """The Task of ``flags``, parsed, completed and checked as ``scheme`` on ``n_ranks``."""
-    return serial.Task(parse_args(scheme, flags, n_ranks))
+    args = parse_args(scheme, flags, n_ranks)
+    task = serial.Task(args, DATA.get((args.model, args.seed)))
+    DATA[args.model, args.seed] = task.data
+    return task
 
 
 def serial_run(task, steps):

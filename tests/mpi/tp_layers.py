@@ -8,15 +8,16 @@ dense gradient, replicated gradients and the input gradient equal the dense ones
 layer makes exactly the Allreduces its docstring promises.
 """
 
-import argparse
 import sys
 
 import numpy as np
 
 from mpipar import backend as B
 from mpipar import comm as C
-from mpipar import nn, serial
+from mpipar import nn
 from mpipar import tensor_parallel as tp
+from mpipar import tp_models as tpm
+from mpipar.cli import parse_args, tp_size_problem
 from mpipar.grid import Grid
 from mpipar.trace import TRACE
 
@@ -115,14 +116,14 @@ run(dense, par, x12, cols(x12, r12), rng.standard_normal((Bn, T, Cw)), None,
 
 # -- the transformer's pieces: whole (B, T, C) in and out
 dout = rng.standard_normal((Bn, T, Cw))
-dense, par = twins(nn.FeedForward(Cw), tp.ParallelFeedForward(Cw, tp_comm), "mlp.")
+dense, par = twins(nn.FeedForward(Cw), tpm.ParallelFeedForward(Cw, tp_comm), "mlp.")
 run(dense, par, x, x, dout, None, "ParallelFeedForward", [n * Cw], [n * Cw])
 dense, par = twins(nn.CausalSelfAttention(Cw, H),
-                   tp.ParallelCausalSelfAttention(Cw, H, tp_comm), "attn.")
+                   tpm.ParallelCausalSelfAttention(Cw, H, tp_comm), "attn.")
 run(dense, par, x, x, dout, None, "ParallelCausalSelfAttention", [n * Cw], [n * Cw])
 qkv_cols = tp.head_columns(Cw, P)[rank]
 assert sorted(b - a for a, b in qkv_cols) == [Cw // P] * 3 and qkv_cols[1][0] >= Cw, qkv_cols
-dense, par = twins(nn.Block(Cw, H), tp.ParallelBlock(Cw, H, tp_comm), "blk.")
+dense, par = twins(nn.Block(Cw, H), tpm.ParallelBlock(Cw, H, tp_comm), "blk.")
 run(dense, par, x, x, dout, None, "ParallelBlock", [n * Cw] * 2, [n * Cw] * 2)
 
 # two micro-batches in flight: backward of each must use its own activations
@@ -138,14 +139,14 @@ compare_grads(dense, par, "ParallelBlock, two micro-batches")
 
 # -- vocabulary-parallel embedding (ids repeat, every shard is hit)
 idx = np.array([[0, 10, 4, 4, 7], [3, 10, 1, 9, 5]])
-dense, par = twins(nn.GPTEmbedding(V, Cw, T), tp.ParallelGPTEmbedding(V, Cw, T, tp_comm), "emb.")
+dense, par = twins(nn.GPTEmbedding(V, Cw, T), tpm.ParallelGPTEmbedding(V, Cw, T, tp_comm), "emb.")
 run(dense, par, idx, idx, dout, None, "ParallelGPTEmbedding", [n * Cw], [])
 lo, hi = par.tok.lo, par.tok.hi
 assert hi - lo in (V // P, V // P + 1) and par.tok.W.shape == (hi - lo, Cw)
 
 # -- head + vocabulary-parallel cross-entropy against head + dense cross-entropy
 targets = np.array([[0, 10, 2, 2, 6], [9, 1, 10, 3, 8]])
-dense, par = twins(nn.GPTHead(Cw, V), tp.ParallelGPTHead(Cw, V, tp_comm), "head.")
+dense, par = twins(nn.GPTHead(Cw, V), tpm.ParallelGPTHead(Cw, V, tp_comm), "head.")
 ce, pce = nn.SoftmaxCrossEntropy(), tp.VocabParallelCrossEntropy(V, tp_comm)
 rV = tp.blocks(V, P)
 TRACE.clear()
@@ -166,12 +167,8 @@ assert allreduce_sizes() == ([n * Cw] if P > 1 else []), "head backward"
 compare_grads(dense, par, "ParallelGPTHead")
 
 # -- refusals name the number and what would work (pure: same answer on every rank)
-ap = serial.add_common_args(argparse.ArgumentParser())
-
-
 def problem(argv, t, vocab=None):
-    args = ap.parse_args(argv)
-    return tp.size_problem(args, t, vocab)
+    return tp_size_problem(parse_args("serial", argv), t, vocab)
 
 
 msg = problem(["--model", "gpt", "--d-model", "12", "--n-heads", "6"], 4, 94)

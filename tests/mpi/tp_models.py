@@ -9,11 +9,11 @@ Checked on every rank:
   counted bytes (Comm.stats); master mode adds exactly one Gatherv, Scatterv and Bcast.
 """
 
-import argparse
 import hashlib
 import sys
 
 import numpy as np
+from reference import make_task
 
 from mpipar import comm as C
 from mpipar import serial
@@ -31,18 +31,6 @@ GPT = ["--model", "gpt", "--d-model", "16", "--n-heads", "4", "--n-layers", "2",
        "--seq-len", "8", "--batch-size", "4"]
 CONFIGS = [GPT, ["--model", "mlp", "--sizes", "64,32,16,10", "--batch-size", "12"],
            ["--model", "mlp", "--sizes", "64,32,16,24,10", "--batch-size", "12"]]
-DATA = {}  # one data set per model kind, shared by the configurations
-
-
-def make_task(argv):
-    ap = serial.add_common_args(argparse.ArgumentParser())
-    args = serial.finish_args(ap.parse_args(argv + ["--dtype", "float64"]))
-    if args.model not in DATA:
-        DATA[args.model] = serial.Task(args).data
-    task = serial.Task.__new__(serial.Task)
-    task.args, task.kind, task.data = args, args.model, DATA[args.model]
-    task.loss_fn = serial.nn.SoftmaxCrossEntropy()
-    return task
 
 
 def expected_allreduces(args):
@@ -88,32 +76,30 @@ def check_traffic(args, update, shards, replicated):
 
 
 def run(argv, update):
-    task = make_task(argv)
+    task = make_task(argv + ["--dtype", "float64", "--update", update], "tensor_parallel", P)
     args = task.args
     ref = task.build_model().init(args.seed)
     ref_opt = serial.make_optimizer(args, ref.parameters())
-    model = tp.build_tp_model(task, tp_comm).init(args.seed)
+    trainer = tp.TensorParallel(task, grid, args)
+    model = trainer.model
     names = [n for n, _ in model.named_parameters()]
     assert names == [n for n, _ in ref.named_parameters()], "canonical names differ"
     assert [n for n, _ in model.layers] == [n for n, _ in ref.layers], "layer names differ"
     shards, replicated = tp.split_parameters(model)
     assert len(shards) > 0
-    updater = tp.make_updater(update, model, tp_comm,
-                              lambda params: serial.make_optimizer(args, params))
-    loss_fn = tp.tp_loss(task, tp_comm)
     for step in range(STEPS):
         x, y = task.to_device(*task.batch(step))
         ref_loss = serial.train_step(ref, task.loss_fn, ref_opt, x, y)
         tp_comm.reset_stats()
         TRACE.clear()
-        loss = tp.train_step(model, loss_fn, updater, x, y)
+        loss = trainer.step(step)
         assert abs(loss - ref_loss) <= 1e-12 * abs(ref_loss), (step, loss, ref_loss)
         if step == 0:
             check_traffic(args, update, shards, replicated)
         digests = [hashlib.sha256(p.data.tobytes()).hexdigest() for p in replicated]
         for other in tp_comm.allgather_obj(digests):
             assert other == digests, f"{args.model} {update} step {step}: replicas differ"
-    full = tp.gather_full_params(model, tp_comm)
+    full = trainer.full_params()
     if rank == 0:
         assert list(full) == names
         for name, p in ref.named_parameters():
