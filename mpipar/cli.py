@@ -178,14 +178,15 @@ FLAG_RULES = [
      "--sizes must start with 64 (pixels) and end with 10 (classes), got {a.sizes}"),
     (ALL, lambda a: a.model == "gpt" and a.d_model % a.n_heads,
      "--d-model {a.d_model} is not divisible by --n-heads {a.n_heads}"),
-    (HY, lambda a: min(v for v in (a.tp, a.pp, a.dp, 1) if v is not None) < 1,
-     "--dp, --tp and --pp must be at least 1, got {a.dp}, {a.tp}, {a.pp}"),
+    (HY, lambda a: a.dp is not None and a.dp < 1, "--dp must be at least 1, got {a.dp}"),
+    (HY, lambda a: a.tp < 1, "--tp must be at least 1, got {a.tp}"),
+    (HY, lambda a: a.pp < 1, "--pp must be at least 1, got {a.pp}"),
     (DP + PP + HY, lambda a: a.micro_batches < 1,
      "--micro-batches must be positive, got {a.micro_batches}"),
     (DP + HY, lambda a: a.batch_size < a.replicas * a.micro_batches,
-     "the global batch of {a.batch_size} rows cannot be split over {a.replicas} ranks x "
-     "{a.micro_batches} micro-batch(es): every rank needs at least one row per micro-batch (use "
-     "--batch-size >= {a.rows_needed}, or fewer ranks or micro-batches)"),
+     "the global batch of {a.batch_size} rows cannot be split over {a.replicas} {a.replica} x "
+     "{a.micro_batches} micro-batch(es): every {a.one_replica} needs at least one row per "
+     "micro-batch (use --batch-size >= {a.rows_needed}, or fewer {a.replica} or micro-batches)"),
     (DP, lambda a: a.zero and a.sync == "master",
      "--zero 1 shards the optimizer over every rank, but with --sync master only rank 0 "
      "updates: use --sync allreduce --zero 1"),
@@ -265,6 +266,8 @@ def parse_args(scheme, argv=None, n_ranks=None):
         if a.micro_batches is None:
             a.micro_batches = max(1, min(4, a.batch_size // max(a.dp or 1, 1)))
     a.replicas = a.dp
+    a.one_replica = "replica" if scheme == "hybrid" else "rank"
+    a.replica = a.one_replica + "s"
     a.rows_needed = (a.dp or 1) * a.micro_batches
     for schemes, condition, message in FLAG_RULES:
         if scheme in schemes and condition(a):

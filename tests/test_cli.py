@@ -1,0 +1,95 @@
+"""Every refusal of the runner's table, without MPI ranks: each bad input ends with exit code 2
+and one clear message (the distributed tests check that every rank of a job exits so)."""
+
+import pytest
+
+from mpipar import serial
+from mpipar.cli import FLAG_RULES, MODEL_RULES, check_model, parse_args
+
+CASES = [  # (scheme, ranks, flags, what the message says)
+    ("serial", 1, ["--steps", "0"], "--steps must be positive, got 0"),
+    ("serial", 1, ["--batch-size", "-1"], "--batch-size must be positive, got -1"),
+    ("serial", 1, ["--lr", "0"], "--lr must be positive, got 0.0"),
+    ("serial", 1, ["--sizes", "64,10,9"], "--sizes must start with 64 (pixels) and end with 10"),
+    ("serial", 1, ["--model", "gpt", "--d-model", "10", "--n-heads", "3"],
+     "--d-model 10 is not divisible by --n-heads 3"),
+    ("hybrid", 4, ["--dp", "0"], "--dp must be at least 1, got 0"),
+    ("hybrid", 4, ["--tp", "0"], "--tp must be at least 1, got 0"),
+    ("hybrid", 4, ["--pp", "-1"], "--pp must be at least 1, got -1"),
+    ("data_parallel", 2, ["--micro-batches", "0"], "--micro-batches must be positive, got 0"),
+    ("data_parallel", 4, ["--batch-size", "3"], "cannot be split over 4 ranks x 1 micro-batch"),
+    ("hybrid", 4, ["--dp", "4", "--batch-size", "3"], "cannot be split over 4 replicas x 1"),
+    ("data_parallel", 2, ["--zero", "1"], "use --sync allreduce --zero 1"),
+    ("data_parallel", 2, ["--zero", "1", "--sync", "ring"], "without --bucket-mb/--overlap"),
+    ("data_parallel", 2, ["--overlap"], "--overlap needs the non-blocking Iallreduce"),
+    ("data_parallel", 2, ["--bucket-mb", "1"], "--bucket-mb must be positive and needs --sync"),
+    ("hybrid", 4, ["--bucket-mb", "0"], "--bucket-mb must be positive, got 0.0"),
+    ("pipeline", 2, ["--schedule", "zigzag"], "unknown --schedule 'zigzag'"),
+    ("hybrid", 4, ["--schedule", "interleaved"], "unknown --schedule 'interleaved'"),
+    ("pipeline", 2, ["--chunks", "2"], "--chunks 2 needs --schedule interleaved"),
+    ("pipeline", 2, ["--schedule", "interleaved", "--chunks", "0"], "--chunks must be positive"),
+    ("pipeline", 1, ["--print-schedule", "--stages", "0"], "--stages must be positive, got 0"),
+    ("pipeline", 2, ["--model", "mlp", "--micro-batches", "65"], "exceeds --batch-size 64"),
+    ("pipeline", 2, ["--schedule", "interleaved", "--micro-batches", "3"],
+     "multiple of the stages (2)"),
+    ("data_parallel", 2, ["--sync", "tree"], "invalid choice: 'tree'"),
+    ("data_parallel", 2, ["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    # the model's rules, checked with the task
+    ("tensor_parallel", 4, ["--model", "gpt", "--d-model", "12", "--n-heads", "6"],
+     "the head count --n-heads 6 is not divisible by the 4 tensor-parallel ranks"),
+    ("hybrid", 4, ["--tp", "4", "--n-heads", "2"], "the head count --n-heads 2"),
+    ("pipeline", 2, ["--model", "mlp", "--partition", "1,1"], "summing to 5"),
+    ("pipeline", 2, ["--model", "mlp", "--partition", "a,b"], "expected layer counts like"),
+    ("pipeline", 2, ["--model", "mlp", "--sizes", "64,16,10", "--schedule", "interleaved"],
+     "4 model pieces but the mlp model has only 3 layers"),
+    ("pipeline", 4, ["--model", "mlp", "--sizes", "64,10"],
+     "4 pipeline stages but the mlp model has only 1 layers"),
+]
+
+
+@pytest.mark.parametrize("scheme,ranks,flags,message", CASES,
+                         ids=[f"{c[0]}:{' '.join(c[2])}" for c in CASES])
+def test_bad_input_is_refused_with_exit_code_2(capsys, scheme, ranks, flags, message):
+    with pytest.raises(SystemExit) as stop:
+        args = parse_args(scheme, flags, ranks)
+        check_model(scheme, args, serial.Task(args))
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("error:") == 1, err
+
+
+def test_every_rule_of_the_tables_is_exercised():
+    """Each rule is the first to refuse at least one case above: a rule no input can reach is
+    dead code, and a table that grows must grow its cases too."""
+    fired = set()
+    for scheme, ranks, flags, _ in CASES:
+        args = _unchecked(scheme, flags, ranks)
+        if args is None:  # argparse's own refusal
+            continue
+        flag = next((i for i, (schemes, condition, _) in enumerate(FLAG_RULES)
+                     if scheme in schemes and condition(args)), None)  # the first, as the runner
+        if flag is not None:
+            fired.add(("flag", flag))
+            continue
+        task = serial.Task(args)
+        model = next((i for i, (schemes, problem) in enumerate(MODEL_RULES)
+                      if scheme in schemes and problem(args, task)), None)
+        if model is not None:
+            fired.add(("model", model))
+    want = {("flag", i) for i in range(len(FLAG_RULES))} | \
+        {("model", i) for i in range(len(MODEL_RULES))}
+    assert fired == want, sorted(want - fired)
+
+
+def _unchecked(scheme, flags, ranks):
+    """The flags parsed and completed as the runner does, before any rule runs (None when
+    argparse itself refuses them)."""
+    import mpipar.cli as cli
+
+    saved, cli.FLAG_RULES = cli.FLAG_RULES, []
+    try:
+        return parse_args(scheme, flags, ranks)
+    except SystemExit:
+        return None
+    finally:
+        cli.FLAG_RULES = saved
