@@ -62,11 +62,10 @@ def bucket_flags(g):
                    help="start each bucket's Iallreduce during the last backward")
 
 
-def pipeline_flags(g, schedules):
+def pipeline_flags(g, schedules, micro_help):
     g.add_argument("--schedule", default="1f1b", metavar="{" + ",".join(schedules) + "}",
                    help=f"{', '.join(schedules)} (default 1f1b)")
-    g.add_argument("--micro-batches", type=int, metavar="M",
-                   help="micro-batches per step (default 4, or fewer if the rows are fewer)")
+    g.add_argument("--micro-batches", type=int, metavar="M", help=micro_help)
     g.add_argument("--partition", metavar="N,N,...",
                    help="layers per stage by hand, e.g. 2,1,1 (default: balance the FLOPs)")
 
@@ -87,7 +86,7 @@ def scheme_flags(ap, scheme):
                              "gathers the gradients, updates, scatters the shards (the seed)")
     elif scheme == "pipeline":
         g = ap.add_argument_group("pipeline")
-        pipeline_flags(g, CHOICES)
+        pipeline_flags(g, CHOICES, "micro-batches per step (default 4)")
         g.add_argument("--chunks", type=int, metavar="V",
                        help="model chunks per rank for --schedule interleaved (default 2; the "
                             "model is cut into P*V pieces)")
@@ -105,7 +104,9 @@ def scheme_flags(ap, scheme):
         g.add_argument("--pp", type=int, default=1, help="pipeline stages (1)")
         g.add_argument("--print-grid", action="store_true",
                        help="print every rank's (dp, tp, pp) coordinate and groups, then exit")
-        pipeline_flags(ap.add_argument_group("pipeline"), list(SCHEDULES))
+        pipeline_flags(ap.add_argument_group("pipeline"), list(SCHEDULES),
+                       "micro-batches per replica and step (default: 4, or fewer if a replica "
+                       "has fewer rows)")
         bucket_flags(ap.add_argument_group("gradient sum over the data-parallel group"))
 
 
@@ -234,21 +235,34 @@ MODEL_RULES = [
 
 
 def parse_args(scheme, argv=None, n_ranks=None):
-    """The flags of ``scheme`` parsed, completed and checked (FLAG_RULES), on every rank."""
+    """The flags of ``scheme`` parsed, completed (:func:`complete`) and checked (FLAG_RULES),
+    the same way on every rank; ``n_ranks`` is the job's size (COMM_WORLD's by default)."""
     prog, description = PROGS[scheme]
     ap = argparse.ArgumentParser(prog=prog, description=description)
     ap.error = lambda message: comm.refuse(f"{message} (see --help)")
     common_flags(ap, scheme)
     scheme_flags(ap, scheme)
-    a = ap.parse_args(argv)
+    a = complete(ap.parse_args(argv), scheme,
+                 MPI.COMM_WORLD.Get_size() if n_ranks is None else n_ranks)
+    for schemes, condition, message in FLAG_RULES:
+        if scheme in schemes and condition(a):
+            comm.refuse(message.format(a=a))
+    if a.overlap and a.bucket_mb is None:
+        a.bucket_mb = 25.0  # PyTorch DDP's default bucket size
+    B.use(a.backend, a.dtype)
+    return a
+
+
+def complete(a, scheme, n):
+    """Fill what the flags leave open: the model's defaults, the flags a scheme does not have,
+    and the grid (dp, tp, pp) of n ranks, so that every scheme's options look alike."""
     a.scheme = scheme
     for key, value in serial.DEFAULTS[a.model].items():
         if getattr(a, key) is None:
             setattr(a, key, value)
-    n = MPI.COMM_WORLD.Get_size() if n_ranks is None else n_ranks
-    defaults = dict(explain=False, micro_batches=1, chunks=1, partition=None, bucket_mb=None,
-                    overlap=False, dp=1, tp=1, pp=1)
-    for key, value in defaults.items():
+    absent = dict(explain=False, micro_batches=1, chunks=1, partition=None, bucket_mb=None,
+                  overlap=False, dp=1, tp=1, pp=1)
+    for key, value in absent.items():
         if not hasattr(a, key):
             setattr(a, key, value)
     a.dp, a.tp, a.pp = {"data_parallel": (n, 1, 1), "tensor_parallel": (1, n, 1),
@@ -256,25 +270,16 @@ def parse_args(scheme, argv=None, n_ranks=None):
     if scheme == "hybrid" and a.dp is None and min(a.tp, a.pp) >= 1:
         a.dp = max(n // (a.tp * a.pp), 1)
     if scheme == "pipeline":
-        if a.chunks is None:
-            a.chunks = 2 if a.schedule == "interleaved" else 1
+        a.chunks = (2 if a.schedule == "interleaved" else 1) if a.chunks is None else a.chunks
         a.stages = a.stages if a.print_schedule else n
-        if a.micro_batches is None:
-            a.micro_batches = 4
+        a.micro_batches = 4 if a.micro_batches is None else a.micro_batches
     if scheme == "hybrid":
         a.stages = a.pp
-        if a.micro_batches is None:
+        if a.micro_batches is None:  # 4, or fewer when a replica has fewer rows
             a.micro_batches = max(1, min(4, a.batch_size // max(a.dp or 1, 1)))
-    a.replicas = a.dp
-    a.one_replica = "replica" if scheme == "hybrid" else "rank"
-    a.replica = a.one_replica + "s"
+    a.replicas, a.one_replica = a.dp, "replica" if scheme == "hybrid" else "rank"
+    a.replica = a.one_replica + "s"  # the words of the batch refusal
     a.rows_needed = (a.dp or 1) * a.micro_batches
-    for schemes, condition, message in FLAG_RULES:
-        if scheme in schemes and condition(a):
-            comm.refuse(message.format(a=a))
-    if a.overlap and a.bucket_mb is None:
-        a.bucket_mb = 25.0  # PyTorch DDP's default bucket size
-    B.use(a.backend, a.dtype)
     return a
 
 

@@ -292,5 +292,6 @@ def main(scheme, argv=None):
 
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in SCHEMES:
-        sys.exit(f"usage: python -m mpipar.train {{{','.join(SCHEMES)}}} [flags]")
+        sys.stderr.write(f"usage: python -m mpipar.train {{{','.join(SCHEMES)}}} [flags]\n")
+        sys.exit(2)
     main(sys.argv[1], sys.argv[2:])
