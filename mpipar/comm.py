@@ -32,6 +32,7 @@ from mpipar.trace import TRACE
 
 SSEND = os.environ.get("MPIPAR_SSEND", "0") == "1"
 EXPLAIN = False  # set by a scheme's --explain: narrate every call on every rank
+ABORT_GRACE = 1.0  # seconds between a crashed rank's traceback and MPI_Abort
 
 
 # ----------------------------------------------------------------------------- failure
@@ -46,8 +47,10 @@ def install_excepthook():
 
     def hook(kind, value, tb):
         text = "".join(traceback.format_exception(kind, value, tb))
-        sys.stderr.write(f"[rank {rank}] {text}")
-        sys.stderr.flush()
+        os.write(2, f"[rank {rank}] {text}".encode())  # unbuffered, straight into the pipe
+        # MPI_Abort makes the launcher kill every process, its own output forwarders too: give
+        # them time to pass the traceback on, or it is lost (about 1 crash in 10 under load).
+        time.sleep(ABORT_GRACE)
         MPI.COMM_WORLD.Abort(1)
 
     sys.excepthook = hook
