@@ -8,6 +8,8 @@ rank 0) and exit code 2 on every rank (:func:`mpipar.comm.refuse`), never a trac
 """
 
 import argparse
+import math
+import os
 
 from mpi4py import MPI
 
@@ -40,6 +42,18 @@ def common_flags(ap, scheme):
                    help="write the trained parameters under their canonical names")
     g.add_argument("--log-every", type=int, default=0, help="print the loss every N steps")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
+    c = ap.add_argument_group("checkpoints and failures")
+    c.add_argument("--checkpoint", metavar="DIR",
+                   help="write a checkpoint into DIR at the end (and every --checkpoint-every)")
+    c.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+                   help="also write one every K steps (default 0: only at the end)")
+    c.add_argument("--keep", type=int, default=2, metavar="N",
+                   help="checkpoints kept in DIR (default 2)")
+    c.add_argument("--resume", metavar="DIR",
+                   help="continue from DIR's newest checkpoint, written by any scheme and layout")
+    c.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                   help="end the job when a rank waits more than S seconds in one MPI call, "
+                        "naming the call (default 600; 0: never)")
     if scheme != "serial":
         g.add_argument("--explain", action="store_true",
                        help="narrate the first step: each seed step and each MPI call, every rank")
@@ -172,11 +186,29 @@ ALL, DP, TP, PP, HY = SCHEMES, ("data_parallel",), ("tensor_parallel",), ("pipel
 # (schemes, condition(a), message): checked in order on the flags alone; the first that holds
 # is refused. ``a.n`` is the number of ranks, ``a.stages`` the pipeline's.
 FLAG_RULES = [
+    (("serial",), lambda a: a.n > 1,
+     "the serial trainer is one process, but this job has {a.n} ranks: run it without mpirun "
+     "(each copy would train alone and write the same files)"),
     (ALL, lambda a: a.steps <= 0, "--steps must be positive, got {a.steps}"),
     (ALL, lambda a: a.batch_size <= 0, "--batch-size must be positive, got {a.batch_size}"),
-    (ALL, lambda a: a.lr <= 0, "--lr must be positive, got {a.lr}"),
+    (ALL, lambda a: not 0 < a.lr < math.inf, "--lr must be positive and finite, got {a.lr}"),
+    (ALL, lambda a: a.seed < 0, "--seed must be 0 or more, got {a.seed}"),
+    (ALL, lambda a: a.log_every < 0, "--log-every must be 0 (never) or more, got {a.log_every}"),
+    (ALL, lambda a: a.model == "mlp" and min(a.sizes) < 1,
+     "every --sizes entry must be positive, got {a.sizes}"),
     (ALL, lambda a: a.model == "mlp" and (a.sizes[0] != 64 or a.sizes[-1] != 10),
      "--sizes must start with 64 (pixels) and end with 10 (classes), got {a.sizes}"),
+    (ALL, lambda a: a.model == "gpt" and min(a.d_model, a.n_heads, a.n_layers, a.seq_len) < 1,
+     "--d-model, --n-heads, --n-layers and --seq-len must be positive, got {a.d_model}, "
+     "{a.n_heads}, {a.n_layers}, {a.seq_len}"),
+    (ALL, lambda a: activation_bytes(a) > memory_bytes(),
+     "--batch-size {a.batch_size} would need about {a.need_gib:.1f} GiB of activations in one "
+     "step, more than this machine's {a.have_gib:.1f} GiB: use a smaller batch or model"),
+    (ALL, lambda a: a.checkpoint_every < 0 or (a.checkpoint_every and not a.checkpoint),
+     "--checkpoint-every {a.checkpoint_every} needs --checkpoint DIR and a count of 0 or more"),
+    (ALL, lambda a: a.keep < 1, "--keep must be at least 1, got {a.keep}"),
+    (ALL, lambda a: not 0 <= a.timeout < math.inf,
+     "--timeout must be 0 (never) or a positive number of seconds, got {a.timeout}"),
     (ALL, lambda a: a.model == "gpt" and a.d_model % a.n_heads,
      "--d-model {a.d_model} is not divisible by --n-heads {a.n_heads}"),
     (HY, lambda a: a.dp is not None and a.dp < 1, "--dp must be at least 1, got {a.dp}"),
@@ -196,10 +228,11 @@ FLAG_RULES = [
      "with --sync allreduce and without --bucket-mb/--overlap"),
     (DP, lambda a: a.overlap and a.sync != "allreduce",
      "--overlap needs the non-blocking Iallreduce of --sync allreduce (got --sync {a.sync})"),
-    (DP, lambda a: a.bucket_mb is not None and (a.bucket_mb <= 0 or a.sync == "master"),
+    (DP, lambda a: a.bucket_mb is not None and (not 0 < a.bucket_mb < math.inf
+                                                 or a.sync == "master"),
      "--bucket-mb must be positive and needs --sync allreduce or ring (got {a.bucket_mb} with "
      "--sync {a.sync})"),
-    (HY, lambda a: a.bucket_mb is not None and a.bucket_mb <= 0,
+    (HY, lambda a: a.bucket_mb is not None and not 0 < a.bucket_mb < math.inf,
      "--bucket-mb must be positive, got {a.bucket_mb}"),
     (PP, lambda a: a.schedule not in CHOICES,
      "unknown --schedule {a.schedule!r}: choose one of " + ", ".join(CHOICES)),
@@ -220,6 +253,9 @@ FLAG_RULES = [
 # (schemes, problem(a, task)): checked after the flags, with the model built; a problem is
 # its own message (a sentence), no problem is None.
 MODEL_RULES = [
+    (ALL, lambda a, task: a.model == "mlp" and a.batch_size > len(task.data.y_train) and (
+        f"--batch-size {a.batch_size} is more than the {len(task.data.y_train)} training "
+        "images of the digits: a batch would repeat images")),
     (TP + HY, lambda a, task: tp_size_problem(a, a.tp, task.data.vocab if a.model == "gpt"
                                                else None)),
     (PP + HY, lambda a, task: a.partition and _bad_partition(a, a.stages * a.chunks, task)),
@@ -256,7 +292,7 @@ def parse_args(scheme, argv=None, n_ranks=None):
 def complete(a, scheme, n):
     """Fill what the flags leave open: the model's defaults, the flags a scheme does not have,
     and the grid (dp, tp, pp) of n ranks, so that every scheme's options look alike."""
-    a.scheme = scheme
+    a.scheme, a.n = scheme, n
     for key, value in serial.DEFAULTS[a.model].items():
         if getattr(a, key) is None:
             setattr(a, key, value)
@@ -281,6 +317,25 @@ def complete(a, scheme, n):
     a.replica = a.one_replica + "s"  # the words of the batch refusal
     a.rows_needed = (a.dp or 1) * a.micro_batches
     return a
+
+
+def activation_bytes(a):
+    """About how many bytes of activations one step keeps for its backward: for the GPT,
+    s b h (34 + 5 a s / h) per block (Korthikanti et al. 2022, eq. 1, counted at 2 bytes a
+    value, scaled to ours) and the logits; for the MLP, a few copies of every layer's output."""
+    w = 8 if a.dtype == "float64" else 4
+    if a.model == "mlp":
+        need = 4 * a.batch_size * sum(a.sizes) * w
+    else:
+        b, s, h = a.batch_size, a.seq_len, a.d_model
+        need = a.n_layers * s * b * h * (34 + 5 * a.n_heads * s / h) * w / 2 + 3 * b * s * 128 * w
+    a.need_gib, a.have_gib = need / 2**30, memory_bytes() / 2**30
+    return need
+
+
+def memory_bytes():
+    """This machine's memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def check_model(scheme, a, task):

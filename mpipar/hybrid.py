@@ -143,8 +143,8 @@ class Hybrid:
         self.peak_stash_bytes = 0
 
     def step(self, step):
-        """One training step; returns the global batch's loss on world rank 0 (the pipeline's
-        first stage of every replica gets it too), None elsewhere."""
+        """One training step; returns the global batch's loss on every rank (the last stages
+        sum it over the replicas, then each pipeline shares it)."""
         a, task, grid = self.args, self.task, self.grid
         m = a.micro_batches
 
@@ -169,7 +169,7 @@ class Hybrid:
         loss = None
         if self.is_last_stage:  # each replica's loss covers its rows only: add the replicas'
             loss = sum_over(self.dp_comm, result.loss, what="the replicas' losses, to print")
-        return PP.send_loss_to_rank0(self.pp_comm, loss)
+        return PP.share_loss(self.pp_comm, loss)
 
     def memory(self):
         """Bytes this rank holds: parameters, gradients, optimizer state, peak activations."""

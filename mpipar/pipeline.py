@@ -71,7 +71,7 @@ from mpipar.schedules import (
 )
 from mpipar.trace import TRACE
 
-TAG_ACT, TAG_GRAD, TAG_LOSS = 11, 12, 13
+TAG_ACT, TAG_GRAD = 11, 12
 CHUNK_TAG = 100  # a message to model chunk c has the tag TAG_ACT or TAG_GRAD + c * CHUNK_TAG
 HEADER_LEN = 10  # tag, micro-batch id, dtype code, ndim, up to 6 dims
 
@@ -153,7 +153,7 @@ class Pipeline:
             targets=micro_batches(y, m) if self.is_last_stage else None,
             loss_fn=self.task.loss_fn, normalizer=y.size, optimizer=self.opt)
         self.peak_stash_bytes = max(self.peak_stash_bytes, result.peak_stash_bytes)
-        return send_loss_to_rank0(self.comm, result.loss)
+        return share_loss(self.comm, result.loss)
 
     def full_params(self):
         comm.narrate("PP Step 9: the parameters stay on their stage; gather them to rank 0 only "
@@ -338,18 +338,14 @@ def run_pipeline(module, instructions, pp_comm, micro_rows, inputs=None, targets
     return runner.run(instructions)
 
 
-def send_loss_to_rank0(pp_comm, loss):
-    """The last stage has the loss; rank 0 prints it."""
-    last = pp_comm.size - 1
-    if last == 0:
+def share_loss(pp_comm, loss):
+    """The last stage has the loss; every stage gets it (one Bcast of one number), so that
+    every rank can print it and stop at once if it is not finite."""
+    if pp_comm.size == 1:
         return loss
-    if pp_comm.rank == last:
-        pp_comm.Send(np.array([loss]), 0, TAG_LOSS, what="the step's loss, to print")
-    elif pp_comm.rank == 0:
-        buf = np.empty(1)
-        pp_comm.Recv(buf, last, TAG_LOSS, what="the step's loss, to print")
-        return float(buf[0])
-    return None
+    buf = np.array([0.0 if loss is None else loss])
+    pp_comm.Bcast(buf, root=pp_comm.size - 1, what="the step's loss, to print and check")
+    return float(buf[0])
 
 
 # -- PP Step 9: the parameters stay on their stage; gather them to rank 0 to evaluate or save --

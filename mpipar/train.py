@@ -14,11 +14,12 @@ A scheme is a trainer class with one small interface:
 
 - ``Trainer(task, grid, args)``: build this rank's part (its Step 1);
 - ``trainer.step(step) -> loss``: one optimizer step on the global batch of ``step``; the
-  global loss on world rank 0 (other ranks may return None);
+  global loss, on every rank (so that every rank stops at once if it is not finite);
 - ``trainer.full_params()``: the whole model as {canonical name: host array} on world rank 0
   (None elsewhere), the names and shapes of the serial model's parameters.
 """
 
+import math
 import os
 import sys
 
@@ -26,7 +27,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpipar import backend as B
-from mpipar import comm, serial
+from mpipar import checkpoint, comm, serial
 from mpipar.cli import SCHEMES, check_model, layer_names, parse_args
 from mpipar.grid import Grid
 from mpipar.schedules import bubble_formula, format_schedule, peak_in_flight
@@ -186,6 +187,45 @@ def _fmt_bytes(n):
 
 
 # ----------------------------------------------------------------------------- the loop
+def check_paths(a):
+    """Every output path and the resume directory, checked on world rank 0 before training
+    (a bad path found after training would throw the run away); refused on every rank."""
+    problem = None
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        problem = path_problem(a)
+    problem = MPI.COMM_WORLD.bcast(problem, root=0)
+    if problem:
+        comm.refuse(problem)
+
+
+def path_problem(a):
+    outputs = [("--save-params", a.save_params)]
+    if getattr(a, "timeline", "none").lower() != "none":
+        outputs.append(("--timeline", a.timeline))
+    for flag, path in outputs:
+        if path and (os.path.isdir(path) or not _writable(os.path.dirname(path) or ".")):
+            return f"{flag} {path}: cannot write there (a folder, or no such writable folder)"
+    if a.checkpoint:
+        try:
+            os.makedirs(a.checkpoint, exist_ok=True)
+        except OSError as err:
+            return f"--checkpoint {a.checkpoint}: cannot make the folder ({err.strerror})"
+        if not _writable(a.checkpoint):
+            return f"--checkpoint {a.checkpoint}: the folder is not writable"
+        same = a.resume and os.path.realpath(a.checkpoint) in (
+            os.path.realpath(a.resume), os.path.dirname(os.path.realpath(a.resume)))
+        if checkpoint.checkpoints(a.checkpoint) and not same:
+            return (f"--checkpoint {a.checkpoint} holds another run's checkpoints: continue it "
+                    f"with --resume {a.checkpoint}, or use an empty folder")
+    if a.resume and not os.path.isdir(a.resume):
+        return f"--resume {a.resume}: no such folder"
+    return None
+
+
+def _writable(folder):
+    return os.path.isdir(folder) and os.access(folder, os.W_OK | os.X_OK)
+
+
 def trainer_class(scheme, a):
     """The trainer class of the scheme and variant the flags name (imported on demand)."""
     if scheme == "serial":
@@ -204,31 +244,43 @@ def trainer_class(scheme, a):
     return H.Hybrid
 
 
-def progress(steps, desc, quiet=False):
-    """A tqdm progress bar over the steps (disabled with --quiet and off world rank 0)."""
+def progress(steps, desc, quiet=False, start=0):
+    """A tqdm progress bar over the steps from ``start`` (off with --quiet, and off world
+    rank 0)."""
     from tqdm import tqdm
 
-    return tqdm(range(steps), desc=desc, disable=quiet, file=sys.stderr, dynamic_ncols=True)
+    return tqdm(range(start, steps), desc=desc, disable=quiet, file=sys.stderr,
+                dynamic_ncols=True, initial=start, total=steps)
 
 
-def train(trainer, a, desc, after_step=None):
-    """The one training loop: ``a.steps`` steps, the loss on the bar (world rank 0), every
-    rank narrating the first step with --explain. ``after_step()`` runs after each step (the
-    pipeline's report reads the step's trace there). Returns the last loss (world rank 0)."""
+def train(trainer, a, desc, after_step=None, start=0, loss=None):
+    """The one training loop: steps ``start`` to ``a.steps``, the loss on the bar (world rank
+    0), every rank narrating the first step with --explain, a checkpoint every
+    ``--checkpoint-every`` steps and at the end. A loss that is not finite stops every rank at
+    once (each has the loss), before anything is saved. ``after_step()`` runs after each step
+    (the pipeline's report reads the step's trace there). Returns the last loss."""
     rank = MPI.COMM_WORLD.Get_rank()
-    bar = progress(a.steps, desc, a.quiet or rank != 0)
-    loss = None
+    bar = progress(a.steps, desc, a.quiet or rank != 0, start)
+    saved = start if a.resume else None  # the step whose checkpoint exists already
     for step in bar:
-        comm.EXPLAIN = a.explain and step == 0
+        comm.EXPLAIN = a.explain and step == start
         TRACE.clear()
         loss = trainer.step(step)
+        if not math.isfinite(loss):
+            comm.refuse(f"the loss is {loss} after step {step + 1}: training diverged (try a "
+                        "smaller --lr); nothing was saved", code=3)
         if after_step is not None:
             after_step()
         if rank == 0:
             bar.set_postfix(loss=f"{loss:.4f}")
             if a.log_every and (step + 1) % a.log_every == 0:
                 bar.write(f"step {step + 1:5d}  loss {loss:.4f}")
+        if a.checkpoint_every and (step + 1) % a.checkpoint_every == 0:
+            checkpoint.save(a.checkpoint, trainer, a, step + 1, loss)
+            saved = step + 1
     comm.EXPLAIN = False
+    if a.checkpoint and saved != a.steps:
+        checkpoint.save(a.checkpoint, trainer, a, a.steps, loss)
     return loss
 
 
@@ -239,8 +291,17 @@ def final_line(metrics, loss):
 
 
 def save_params(path, named_arrays):
-    """Write {canonical name: array} to an .npz file (plain arrays, no pickle)."""
-    np.savez(path, **{name: B.to_numpy(a) for name, a in named_arrays})
+    """Write {canonical name: array} to an .npz file (plain arrays, no pickle), atomically:
+    into a temporary file, flushed to disk, then renamed over ``path``, so a kill during the
+    write leaves the previous file whole. Returns the path written (".npz" added if absent)."""
+    path = path if path.endswith(".npz") else path + ".npz"  # as np.savez names it
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        np.savez(f, **{name: B.to_numpy(a) for name, a in named_arrays})
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
 
 
 def load_params(path):
@@ -255,6 +316,8 @@ def main(scheme, argv=None):
     if scheme == "pipeline" and a.print_schedule:
         comm.log(format_schedule(a.schedule, a.stages, a.micro_batches, a.chunks))
         return
+    check_paths(a)
+    getattr(comm, "start_watchdog", lambda seconds: None)(a.timeout)
     task = serial.Task(a)
     check_model(scheme, a, task)
     comm.EXPLAIN = a.explain
@@ -270,9 +333,11 @@ def main(scheme, argv=None):
                  f"pp*{grid.tp_size} + tp\n{text}")
         return
     trainer = trainer_class(scheme, a)(task, grid, a)
+    start, loss = checkpoint.load(a.resume, trainer, a) if a.resume else (0, None)
     report = REPORTS[scheme](a, task, trainer, grid)
-    comm.log(report.header())
-    loss = train(trainer, a, report.desc, report.after_step)
+    comm.log(report.header() + (f"\nresumed from {a.resume} after step {start}" if a.resume
+                                else ""))
+    loss = train(trainer, a, report.desc, report.after_step, start, loss)
     comm.EXPLAIN = a.explain
     params = trainer.full_params()  # narrated: a scheme's last step gathers the model
     comm.EXPLAIN = False
@@ -285,9 +350,11 @@ def main(scheme, argv=None):
     print(final_line(task.evaluate(task.model_with(params).forward), loss), flush=True)
     for line in after:
         print(line, flush=True)
+    bad = [name for name, value in params.items() if not np.isfinite(value).all()]
+    if bad:  # the loss was finite, but a parameter is not: never save such a model
+        comm.refuse(f"parameters {', '.join(bad[:3])} are not finite: nothing was saved", code=3)
     if a.save_params:
-        save_params(a.save_params, params.items())
-        print(f"saved parameters to {a.save_params}", flush=True)
+        print(f"saved parameters to {save_params(a.save_params, params.items())}", flush=True)
 
 
 if __name__ == "__main__":

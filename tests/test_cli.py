@@ -7,7 +7,23 @@ from mpipar import serial
 from mpipar.cli import FLAG_RULES, MODEL_RULES, check_model, parse_args
 
 CASES = [  # (scheme, ranks, flags, what the message says)
+    ("serial", 2, [], "the serial trainer is one process, but this job has 2 ranks"),
     ("serial", 1, ["--steps", "0"], "--steps must be positive, got 0"),
+    ("serial", 1, ["--lr", "nan"], "--lr must be positive and finite, got nan"),
+    ("serial", 1, ["--lr", "inf"], "--lr must be positive and finite, got inf"),
+    ("serial", 1, ["--seed", "-1"], "--seed must be 0 or more, got -1"),
+    ("serial", 1, ["--log-every", "-5"], "--log-every must be 0 (never) or more"),
+    ("serial", 1, ["--sizes", "64,0,10"], "every --sizes entry must be positive"),
+    ("serial", 1, ["--model", "gpt", "--n-layers", "0"], "--n-layers and --seq-len must be"),
+    ("serial", 1, ["--model", "gpt", "--seq-len", "-8"], "--n-layers and --seq-len must be"),
+    ("serial", 1, ["--model", "gpt", "--batch-size", "100000000"],
+     "GiB of activations in one step, more than this machine's"),
+    ("serial", 1, ["--checkpoint-every", "5"], "--checkpoint-every 5 needs --checkpoint DIR"),
+    ("serial", 1, ["--keep", "0"], "--keep must be at least 1, got 0"),
+    ("serial", 1, ["--timeout", "nan"], "--timeout must be 0 (never) or a positive number"),
+    ("data_parallel", 2, ["--sync", "ring", "--bucket-mb", "nan"],
+     "--bucket-mb must be positive and needs --sync allreduce or ring (got nan"),
+    ("serial", 1, ["--batch-size", "5000"], "--batch-size 5000 is more than the 1438 training"),
     ("serial", 1, ["--batch-size", "-1"], "--batch-size must be positive, got -1"),
     ("serial", 1, ["--lr", "0"], "--lr must be positive, got 0.0"),
     ("serial", 1, ["--sizes", "64,10,9"], "--sizes must start with 64 (pixels) and end with 10"),

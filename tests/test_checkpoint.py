@@ -1,0 +1,137 @@
+"""Checkpoints: a run resumed on another layout equals the uninterrupted serial run, a kill
+during a write leaves the previous checkpoint whole, and bad checkpoints are refused."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from conftest import ROOT, assert_refused, find_mpirun, run_mpi
+
+from mpipar import train
+
+MLP = ["--model", "mlp", "--sizes", "64,16,12,10", "--batch-size", "12"]
+GPT = ["--model", "gpt", "--d-model", "16", "--n-heads", "4", "--n-layers", "2",
+       "--seq-len", "8", "--batch-size", "8"]
+# each leg: (ranks, scheme and its flags, steps it trains to); legs hand over by checkpoint
+CHAINS = {
+    "gpt, adam": (GPT + ["--optim", "adam"], [
+        (4, ["data_parallel", "--sync", "allreduce", "--zero", "1"], 2),
+        (2, ["pipeline", "--timeline", "none"], 4),
+        (2, ["tensor_parallel"], 6),
+        (4, ["hybrid", "--dp", "2", "--tp", "2"], 8),
+        (1, ["serial"], 10)]),
+    "mlp, sgd momentum": (MLP + ["--optim", "sgd"], [
+        (1, ["serial"], 2),
+        (3, ["data_parallel"], 4),
+        (2, ["tensor_parallel", "--update", "master"], 6),
+        (2, ["pipeline", "--schedule", "interleaved", "--micro-batches", "4",
+             "--timeline", "none"], 8),
+        (4, ["hybrid", "--pp", "2", "--dp", "2"], 9),
+        (3, ["data_parallel", "--sync", "ring", "--bucket-mb", "0.001"], 10)]),
+}
+COMMON = ["--dtype", "float64", "--quiet"]
+
+
+def serial_params(flags, steps, tmp_path, capsys):
+    path = tmp_path / f"serial-{steps}.npz"
+    train.main("serial", [*flags, *COMMON, "--steps", str(steps), "--save-params", str(path)])
+    capsys.readouterr()
+    return train.load_params(path)
+
+
+def assert_equal_params(got, want):
+    assert sorted(got) == sorted(want)
+    for name in want:
+        err = np.abs(got[name] - want[name]).max() / np.abs(want[name]).max()
+        assert err <= 1e-10, (name, err)
+
+
+@pytest.mark.parametrize("chain", list(CHAINS))
+def test_a_run_resumed_on_other_layouts_equals_the_serial_run(chain, tmp_path, capsys):
+    flags, legs = CHAINS[chain]
+    ckpt, saved = tmp_path / "ckpt", tmp_path / "final.npz"
+    for i, (ranks, scheme, steps) in enumerate(legs):
+        args = ["-m", f"mpipar.{scheme[0]}", *scheme[1:], *flags, *COMMON, "--steps",
+                str(steps), "--checkpoint", ckpt, "--save-params", saved]
+        out = run_mpi(ranks, args + (["--resume", ckpt] if i else []), timeout=120).stdout
+        if i:
+            assert f"resumed from {ckpt} after step {legs[i - 1][2]}" in out, out
+    assert_equal_params(train.load_params(saved), serial_params(flags, legs[-1][2], tmp_path,
+                                                                capsys))
+    assert len(os.listdir(ckpt)) == 2  # --keep 2: the last two, no temporary folder left
+
+
+def test_a_kill_during_the_writes_leaves_the_last_checkpoint_whole(tmp_path, capsys):
+    """Kill the job at moments spread over a run that writes a checkpoint every step; each
+    time the newest complete checkpoint resumes to exactly the serial run."""
+    flags = GPT + ["--optim", "adam"] + COMMON
+    ckpt, saved = tmp_path / "ckpt", tmp_path / "final.npz"
+    cmd = [find_mpirun(), "-n", "2", sys.executable, "-m", "mpipar.data_parallel",
+           "--sync", "allreduce", "--zero", "1", *flags, "--steps", "400",
+           "--checkpoint", str(ckpt), "--checkpoint-every", "1", "--keep", "3"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    for i, delay in enumerate((2.5, 3.1, 3.7)):  # each launch resumes where the last died
+        proc = subprocess.Popen(cmd + ["--resume", str(ckpt)] * (i > 0), cwd=ROOT, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+        time.sleep(delay)
+        os.killpg(proc.pid, signal.SIGKILL)  # every rank at once, mid-step or mid-write
+        proc.wait()
+    done = sorted(n for n in os.listdir(ckpt) if n.startswith("step-"))
+    assert len(done) == 3, os.listdir(ckpt)  # --keep 3 (and a write cut short, usually)
+    last = int(done[-1].split("-")[1])
+    run_mpi(2, ["-m", "mpipar.pipeline", "--timeline", "none", *flags, "--steps", str(last + 2),
+                "--resume", ckpt, "--save-params", saved], timeout=120)
+    assert_equal_params(train.load_params(saved),
+                        serial_params(GPT + ["--optim", "adam"], last + 2, tmp_path, capsys))
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """One checkpoint of a 2-rank tensor-parallel run after 3 steps (a file per rank)."""
+    ckpt = tmp_path_factory.mktemp("written") / "ckpt"
+    run_mpi(2, ["-m", "mpipar.tensor_parallel", *GPT, *COMMON, "--steps", "3",
+                "--checkpoint", ckpt], timeout=120)
+    return ckpt / "step-00000003"
+
+
+@pytest.mark.parametrize("damage,flags,message", [
+    ("truncate", [], "rank-00001.npz is truncated or corrupt"),
+    ("delete", [], "rank-00001.npz is missing"),
+    (None, ["--d-model", "32"], "d_model 16 (this run: 32)"),
+    (None, ["--dtype", "float32"], "dtype float64 (this run: float32)"),
+    (None, ["--optim", "sgd"], "optim adam (this run: sgd)"),
+    (None, ["--steps", "2"], "the checkpoint is at step 3, beyond --steps 2"),
+    ("manifest", [], "the manifest is unreadable"),
+])
+def test_a_bad_checkpoint_is_refused_on_every_rank(written, tmp_path, damage, flags, message):
+    ckpt = tmp_path / "copy"
+    shutil.copytree(written, ckpt)
+    if damage == "truncate":
+        with open(ckpt / "rank-00001.npz", "r+b") as f:
+            f.truncate(os.path.getsize(ckpt / "rank-00001.npz") // 2)
+    elif damage == "delete":
+        os.remove(ckpt / "rank-00001.npz")
+    elif damage == "manifest":
+        (ckpt / "manifest.json").write_text("{")
+    assert_refused(2, "pipeline", [*GPT, *COMMON, "--steps", "5", "--timeline", "none",
+                                   "--resume", str(ckpt), *flags], message, within=30)
+
+
+def test_output_paths_are_checked_before_training(tmp_path):
+    assert_refused(2, "data_parallel", ["--save-params", str(tmp_path / "no" / "p.npz")],
+                   "--save-params")
+    assert_refused(2, "pipeline", ["--timeline", str(tmp_path)], "--timeline")
+    (tmp_path / "file").write_text("")
+    assert_refused(2, "tensor_parallel", ["--checkpoint", str(tmp_path / "file")],
+                   "--checkpoint")
+    assert_refused(2, "hybrid", ["--resume", str(tmp_path / "nothing")], "no such folder")
+    (tmp_path / "used" / "step-00000001").mkdir(parents=True)
+    (tmp_path / "used" / "step-00000001" / "manifest.json").write_text("{}")
+    assert_refused(2, "data_parallel", ["--checkpoint", str(tmp_path / "used")],
+                   "holds another run's checkpoints")
