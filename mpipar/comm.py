@@ -12,15 +12,18 @@ Run any scheme under ``mpirun -n 4 python -m mpipar.<scheme>``; this module give
 5. waits without burning a core when ranks outnumber cores: a blocking call is posted as its
    non-blocking twin and polled with short sleeps, so the ranks that compute get the CPU.
 
-It also makes one rank's exception end the whole job (:func:`install_excepthook`), and offers
-``MPIPAR_SSEND=1``, which maps every send to a synchronous send so that an ordering that only
-works while MPI buffers small messages deadlocks at once in the tests.
+It also keeps this rank's flight recorder (:data:`mpipar.failure.FLIGHT`: the last calls, and
+the one it waits in now) for the watchdog, and re-exports the ways a job ends from
+:mod:`mpipar.failure`: ``install_excepthook`` (one rank's exception ends the whole job),
+``start_watchdog`` (so does a rank that waits too long) and ``refuse`` (bad input: exit code 2).
+``MPIPAR_SSEND=1`` maps every send to a synchronous send, so that an ordering that only works
+while MPI buffers small messages deadlocks at once in the tests; ``MPIPAR_WAIT=spin|sleep``
+overrides the choice of wait below. Any other value of either is refused.
 """
 
 import os
 import sys
 import time
-import traceback
 from collections import defaultdict
 from itertools import accumulate
 
@@ -28,41 +31,22 @@ import numpy as np
 from mpi4py import MPI
 
 from mpipar import backend as B
+from mpipar.failure import FLIGHT, install_excepthook, refuse, start_watchdog  # noqa: F401
 from mpipar.trace import TRACE
 
-SSEND = os.environ.get("MPIPAR_SSEND", "0") == "1"
 EXPLAIN = False  # set by a scheme's --explain: narrate every call on every rank
-ABORT_GRACE = 1.0  # seconds between a crashed rank's traceback and MPI_Abort
 
 
-# ----------------------------------------------------------------------------- failure
-def install_excepthook():
-    """On an uncaught exception, print it with the rank and abort every rank of the job.
-
-    Without this, the other ranks wait forever for a message the dead rank will never send.
-    SystemExit (argparse errors, clean refusals) is not an exception here: every rank raises it
-    on the same bad input and exits with its code on its own.
-    """
-    rank = MPI.COMM_WORLD.Get_rank()
-
-    def hook(kind, value, tb):
-        text = "".join(traceback.format_exception(kind, value, tb))
-        os.write(2, f"[rank {rank}] {text}".encode())  # unbuffered, straight into the pipe
-        # MPI_Abort makes the launcher kill every process, its own output forwarders too: give
-        # them time to pass the traceback on, or it is lost (about 1 crash in 10 under load).
-        time.sleep(ABORT_GRACE)
-        MPI.COMM_WORLD.Abort(1)
-
-    sys.excepthook = hook
+def _env(name, allowed):
+    """The value of an environment variable that must be one of ``allowed`` (unset or empty:
+    None); anything else is refused on every rank, since every rank sees the same value."""
+    value = os.environ.get(name) or None
+    if value is not None and value not in allowed:
+        refuse(f"{name}={value!r}: expected {' or '.join(allowed)}, or unset")
+    return value
 
 
-def refuse(message, code=2):
-    """Exit with a clear message (printed once, by world rank 0) and a non-zero code.
-    Every rank calls this on the same bad input, so no rank is left waiting."""
-    if MPI.COMM_WORLD.Get_rank() == 0:
-        sys.stderr.write(f"error: {message}\n")
-        sys.stderr.flush()
-    raise SystemExit(code)
+SSEND = _env("MPIPAR_SSEND", ("0", "1")) == "1"
 
 
 # ----------------------------------------------------------------------------- waiting
@@ -74,19 +58,25 @@ def _ranks_per_core():
 
 
 # "sleep" when ranks outnumber cores, else "spin" (MPI's own Wait, lowest latency)
-WAIT = os.environ.get("MPIPAR_WAIT") or ("sleep" if _ranks_per_core() > 1 else "spin")
+WAIT = _env("MPIPAR_WAIT", ("spin", "sleep")) or ("sleep" if _ranks_per_core() > 1 else "spin")
 
 
-def wait(request, status=None):
+def wait(request, status=None, call=("", "MPI request", "", "")):
     """Complete a request. In "sleep" mode, poll with Test and sleep between polls (10 us
-    growing to 200 us), so a waiting rank leaves its core to a rank that computes."""
-    if WAIT == "spin":
-        request.Wait(status)
-        return
-    delay = 1e-5
-    while not request.Test(status):
-        time.sleep(delay)
-        delay = min(2 * delay, 2e-4)
+    growing to 200 us), so a waiting rank leaves its core to a rank that computes.
+
+    ``call`` (comm name, op, detail, what) is what the watchdog names if the wait never ends."""
+    FLIGHT.waiting = (MPI.Wtime(), *call)
+    try:
+        if WAIT == "spin":
+            request.Wait(status)
+            return
+        delay = 1e-5
+        while not request.Test(status):
+            time.sleep(delay)
+            delay = min(2 * delay, 2e-4)
+    finally:
+        FLIGHT.waiting = None
 
 
 # ----------------------------------------------------------------------------- checks
@@ -95,11 +85,9 @@ def check_array(a, shape=None, dtype=None, what="array"):
     if not isinstance(a, (np.ndarray, B.xp.ndarray)):
         raise TypeError(f"{what}: expected an array, got {type(a).__name__}")
     if not a.flags.c_contiguous:
-        raise ValueError(
-            f"{what}: refusing a non-contiguous array of shape {a.shape} (a transposed view or "
-            "a strided slice?); MPI would read its memory in the wrong order. "
-            "Pass np.ascontiguousarray(a)."
-        )
+        raise ValueError(f"{what}: refusing a non-contiguous array of shape {a.shape} (a "
+                         "transposed view or a strided slice?); MPI would read its memory in the "
+                         "wrong order. Pass np.ascontiguousarray(a).")
     if shape is not None and tuple(a.shape) != tuple(shape):
         raise ValueError(f"{what}: shape {tuple(a.shape)}, expected {tuple(shape)}")
     if dtype is not None and a.dtype != np.dtype(dtype):
@@ -142,9 +130,8 @@ class Request:
     """A posted non-blocking call; ``wait()`` completes it (without spinning) and records it."""
 
     def __init__(self, comm, mpi_request, op, detail, nbytes, finish=None, what=""):
-        self.comm, self.mpi_request = comm, mpi_request
+        self.comm, self.mpi_request, self.what = comm, mpi_request, what
         self.op, self.detail, self.nbytes, self.finish = op, detail, nbytes, finish
-        self.what = what
         self.t0 = MPI.Wtime()
         self.status = MPI.Status()
         self.complete = False  # MPI has finished the transfer
@@ -160,7 +147,8 @@ class Request:
     def wait(self):
         if not self.done:
             if not self.complete:
-                wait(self.mpi_request, self.status)
+                wait(self.mpi_request, self.status,
+                     (self.comm.name, self.op, self.detail, self.what))
                 self.complete = True
             if self.finish is not None:
                 self.finish(self.status)
@@ -184,8 +172,7 @@ class Comm:
     def __init__(self, mpi_comm, name="world"):
         self.mpi = mpi_comm
         self.name = name
-        self.rank = mpi_comm.Get_rank()
-        self.size = mpi_comm.Get_size()
+        self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
         self.stats = defaultdict(lambda: defaultdict(int))
 
     # -- bookkeeping
@@ -198,6 +185,7 @@ class Comm:
 
     def _record(self, op, detail, nbytes, t0, what=""):
         t1 = MPI.Wtime()
+        FLIGHT.recent.append((t1, self.name, op, detail, what))
         TRACE.add(t0, t1, "comm", op, comm=self.name, detail=detail, bytes=nbytes)
         if EXPLAIN:
             self.say(f"{op:<14} {detail:<34} {_fmt_bytes(nbytes):>9}  {(t1 - t0) * 1e3:7.3f} ms"
@@ -211,6 +199,7 @@ class Comm:
     def posted(self, op, detail, nbytes, what):
         """With --explain, name a non-blocking call when it is posted (it completes later,
         in ``wait``, which prints the time it took): overlap is then visible."""
+        FLIGHT.recent.append((MPI.Wtime(), self.name, op + " posted", detail, what))
         self.say(f"{op + ' posted':<14} {detail:<34} {_fmt_bytes(nbytes):>9}{_about(what)}")
 
     def reset_stats(self):
@@ -220,7 +209,7 @@ class Comm:
         return sum(s[key] for op, s in self.stats.items() if ops is None or op in ops)
 
     def _blocking(self, req, op, detail, nbytes, t0, what=""):
-        wait(req)
+        wait(req, None, (self.name, op, detail, what))
         self._record(op, detail, nbytes, t0, what)
 
     # -- point to point
@@ -267,11 +256,12 @@ class Comm:
         host_in, dev = _host_out(recvbuf)
         rreq = self.mpi.Irecv(host_in, source=source, tag=tag)
         sreq = (self.mpi.Issend if SSEND else self.mpi.Isend)(_host(sendbuf), dest=dest, tag=tag)
-        wait(sreq)
-        wait(rreq)
+        call = (self.name, "Sendrecv", f"-> {dest}, <- {source}", what)
+        wait(sreq, None, call)
+        wait(rreq, None, call)
         _copy_back(host_in, dev)
         self._count("Sendrecv", sent=sendbuf.nbytes, recv=recvbuf.nbytes, messages=1)
-        self._record("Sendrecv", f"-> {dest}, <- {source}", sendbuf.nbytes, t0, what)
+        self._record(*call[1:3], sendbuf.nbytes, t0, what)
 
     # -- collectives
     def Barrier(self):
@@ -330,11 +320,9 @@ class Comm:
                     what="Allgather result")
         t0 = MPI.Wtime()
         host_out, dev = _host_out(recvbuf)
-        self._count("Allgather", sent=sendbuf.nbytes,
-                    recv=recvbuf.nbytes - sendbuf.nbytes)
+        self._count("Allgather", sent=sendbuf.nbytes, recv=recvbuf.nbytes - sendbuf.nbytes)
         req = self.mpi.Iallgather(_host(sendbuf), host_out)
-        self._blocking(req, "Allgather", f"all <-> all ({self.size})", recvbuf.nbytes, t0,
-                       what)
+        self._blocking(req, "Allgather", f"all <-> all ({self.size})", recvbuf.nbytes, t0, what)
         _copy_back(host_out, dev)
 
     def Reduce_scatter(self, sendbuf, recvbuf, op=MPI.SUM, what=""):
@@ -395,16 +383,25 @@ class Comm:
 
     # -- small metadata (pickled, lower-case): never for arrays
     def bcast_obj(self, obj, root=0, what=""):
-        self.say(f"{'bcast':<14} root {root} -> all (pickled){_about(what)}")
-        return self.mpi.bcast(obj, root=root)
+        return self._pickled("bcast", f"root {root} -> all", what, self.mpi.bcast, obj, root)
 
     def gather_obj(self, obj, root=0, what=""):
-        self.say(f"{'gather':<14} all -> root {root} (pickled){_about(what)}")
-        return self.mpi.gather(obj, root=root)
+        return self._pickled("gather", f"all -> root {root}", what, self.mpi.gather, obj, root)
 
     def allgather_obj(self, obj, what=""):
-        self.say(f"{'allgather':<14} all <-> all (pickled){_about(what)}")
-        return self.mpi.allgather(obj)
+        return self._pickled("allgather", "all <-> all", what, self.mpi.allgather, obj)
+
+    def _pickled(self, op, detail, what, call, *args):
+        """A blocking lower-case call, which never passes through ``wait``: watched alike."""
+        detail += " (pickled)"
+        self.say(f"{op:<14} {detail}{_about(what)}")
+        FLIGHT.waiting = (MPI.Wtime(), self.name, op, detail, what)
+        try:
+            result = call(*args)
+        finally:
+            FLIGHT.waiting = None
+        FLIGHT.recent.append((MPI.Wtime(), self.name, op, detail, what))
+        return result
 
 
 def _say(line):

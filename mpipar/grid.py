@@ -71,6 +71,10 @@ def main(argv=None):
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     args = ap.parse_args(argv)
+    for flag in ("dp", "tp", "pp"):  # 0 would divide by zero below, a negative size mislead
+        size = getattr(args, flag)
+        if size is not None and size < 1:
+            refuse(f"--{flag} must be at least 1, got {size}")
     n = MPI.COMM_WORLD.Get_size()
     dp = args.dp if args.dp is not None else max(n // (args.tp * args.pp), 1)
     text = Grid(dp, args.tp, args.pp).describe()

@@ -43,14 +43,14 @@ class Parameter:
 
     def init_value(self, seed, name):
         """The full initial value, as float64 on the host (shards slice it)."""
-        if self.init == "zeros":
-            return np.zeros(self.shape)
-        if self.init == "ones":
-            return np.ones(self.shape)
+        if self.init in ("zeros", "ones"):
+            return getattr(np, self.init)(self.shape)  # np.zeros or np.ones, float64
         return param_rng(seed, name).normal(0.0, self.std, size=self.shape)
 
     def set(self, host_value):
-        self.data = B.asarray(np.ascontiguousarray(host_value), dtype=B.dtype)
+        """Take a copy of ``host_value`` as the data (asarray would alias a C-contiguous array
+        of the right dtype, and the caller's later in-place changes would reach the model)."""
+        self.data = B.xp.array(host_value, dtype=B.dtype, order="C")  # array() always copies
         self.grad = B.xp.zeros_like(self.data)
 
     @property
@@ -209,11 +209,8 @@ class LayerNorm(Module):
         self.b.grad += _rows(dout).sum(axis=0)
         dxhat = dout * self.g.data
         # d/dx of (x - mean) * rstd: remove the mean of dxhat and its projection on xhat
-        return rstd * (
-            dxhat
-            - dxhat.mean(axis=-1, keepdims=True)
-            - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True)
-        )
+        return rstd * (dxhat - dxhat.mean(axis=-1, keepdims=True)
+                       - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True))
 
 
 class Embedding(Module):
@@ -341,6 +338,9 @@ class GPTEmbedding(Module):
 
     def forward(self, idx, micro_id=0):
         T = idx.shape[1]
+        if T > self.pos.shape[0]:  # else a broadcasting error about (T, C) and (seq_len, C)
+            raise ValueError(f"input of {T} tokens is longer than the model's context "
+                             f"seq_len={self.pos.shape[0]}")
         return self.tok.forward(idx, micro_id) + self.pos.data[:T]
 
     def backward(self, dout, micro_id=0):
@@ -425,6 +425,10 @@ class SoftmaxCrossEntropy(Module):
         z = _rows(logits)  # (N, V)
         t = targets.reshape(-1)  # (N,)
         normalizer = z.shape[0] if normalizer is None else normalizer
+        lo, hi = (int(t.min()), int(t.max())) if t.size else (0, 0)  # -1 would pick the last class
+        if lo < 0 or hi >= z.shape[1]:
+            raise ValueError(f"target {lo if lo < 0 else hi} is out of range: valid targets are "
+                             f"0..{z.shape[1] - 1} (the logits have {z.shape[1]} classes)")
         z = z - z.max(axis=1, keepdims=True)
         logsumexp = B.xp.log(B.xp.exp(z).sum(axis=1))
         rows = B.xp.arange(z.shape[0])

@@ -123,12 +123,18 @@ class Adam(Optimizer):
         w -= self.lr * m_hat / (B.xp.sqrt(v_hat) + self.eps)
 
 
-def make(name, params, lr, weight_decay=0.0):
-    """Build an optimizer by its command-line name: sgd (momentum 0.9), adam or adamw."""
+DEFAULT_WEIGHT_DECAY = {"sgd": 0.0, "adam": 0.0, "adamw": 0.01}  # when the caller gives None
+
+
+def make(name, params, lr, weight_decay=None):
+    """Build an optimizer by its command-line name: sgd (momentum 0.9), adam or adamw.
+
+    ``weight_decay=None`` takes the optimizer's default (AdamW 0.01, the others 0); any number,
+    0.0 included, is used as given."""
+    if name not in DEFAULT_WEIGHT_DECAY:
+        raise ValueError(f"unknown optimizer {name!r}: choose sgd, adam or adamw")
+    if weight_decay is None:
+        weight_decay = DEFAULT_WEIGHT_DECAY[name]
     if name == "sgd":
         return SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
-    if name == "adam":
-        return Adam(params, lr=lr, weight_decay=weight_decay)
-    if name == "adamw":
-        return Adam(params, lr=lr, weight_decay=weight_decay or 0.01, decoupled=True)
-    raise ValueError(f"unknown optimizer {name!r}: choose sgd, adam or adamw")
+    return Adam(params, lr=lr, weight_decay=weight_decay, decoupled=name == "adamw")

@@ -6,7 +6,9 @@ and write ``plots/REPORT.md`` with each plot and what it shows.
 
 Every number in the report is read from a CSV that this run (or an earlier one) wrote; the cost
 model's numbers are labelled as predictions. The benchmarks run one after another, never at the
-same time, with one BLAS thread per rank.
+same time, with one BLAS thread per rank, each told ``--out`` plots/ (or ``$MPIPAR_PLOTS``):
+this is the one run that replaces the committed results, where a benchmark run on its own
+writes into a scratch folder.
 """
 
 import argparse
@@ -51,7 +53,8 @@ def run_benchmarks(quick):
     for name in bar:
         bar.set_postfix(running=name)
         t0 = time.time()
-        importlib.import_module(f"mpipar.bench.{name}").main(["--quick"] if quick else [])
+        argv = ["--out", str(PLOTS)] + (["--quick"] if quick else [])  # where this reads
+        importlib.import_module(f"mpipar.bench.{name}").main(argv)
         times[name] = time.time() - t0
     return times
 

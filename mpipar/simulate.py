@@ -30,6 +30,7 @@ rate plus a fixed cost per layer", and contention of the links.
 
 import argparse
 import json
+import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -340,38 +341,80 @@ def extrapolate(hw_name="a100", global_batch=1536, devices=(8, 16, 32, 64, 128, 
     return rows
 
 
+# ----------------------------------------------------------------------------- command line
+def _number(kind, zero_ok=False):
+    """An argparse type: a finite number > 0 (>= 0 with ``zero_ok``), so that no flag can turn
+    the prediction negative or NaN; argparse prints the refusal and exits 2."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+            raise argparse.ArgumentTypeError(
+                f"expected a {'whole ' if kind is int else 'finite '}number "
+                f"{'>= 0' if zero_ok else '> 0'}, got {text!r}")
+        return value
+    return parse
+
+
+def layout_problem(spec, a):
+    """Why this model cannot run on the layout of the flags ``a`` (one sentence), or None."""
+    if spec.d_model % spec.n_heads:
+        return f"--d-model {spec.d_model} is not divisible by --n-heads {spec.n_heads}"
+    if spec.n_heads % a.tp or spec.d_model % a.tp:
+        return (f"--tp {a.tp} must divide the head count ({spec.n_heads}) and the hidden size "
+                f"({spec.d_model}): tensor parallelism splits both")
+    if spec.vocab < a.tp:
+        return f"--vocab {spec.vocab} has fewer entries than the {a.tp} tensor-parallel ranks"
+    n_layers = spec.n_layers + 2  # the embedding and the head are layers of their own
+    if a.pp > n_layers:
+        return (f"--pp {a.pp} stages but the model has only {n_layers} layers (embedding, "
+                f"{spec.n_layers} blocks, head): each stage needs at least one")
+    if a.batch_size < a.dp * a.micro_batches:
+        return (f"--batch-size {a.batch_size} cannot give every one of --dp {a.dp} replicas x "
+                f"--micro-batches {a.micro_batches} a row: use at least {a.dp * a.micro_batches}")
+    return None
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m mpipar.simulate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    count, rate, cost = _number(int), _number(float), _number(float, zero_ok=True)
     ap.add_argument("--preset", choices=["gpt3"], help="a published model instead of the flags")
-    ap.add_argument("--vocab", type=int, default=96)
-    ap.add_argument("--d-model", type=int, default=64)
-    ap.add_argument("--n-heads", type=int, default=4)
-    ap.add_argument("--n-layers", type=int, default=2)
-    ap.add_argument("--seq-len", type=int, default=32)
-    ap.add_argument("--batch-size", type=int, default=32, help="global batch")
-    ap.add_argument("--dp", type=int, default=1)
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--micro-batches", type=int, default=1)
+    ap.add_argument("--vocab", type=count, default=96)
+    ap.add_argument("--d-model", type=count, default=64)
+    ap.add_argument("--n-heads", type=count, default=4)
+    ap.add_argument("--n-layers", type=count, default=2)
+    ap.add_argument("--seq-len", type=count, default=32)
+    ap.add_argument("--batch-size", type=count, default=32, help="global batch")
+    ap.add_argument("--dp", type=count, default=1)
+    ap.add_argument("--tp", type=count, default=1)
+    ap.add_argument("--pp", type=count, default=1)
+    ap.add_argument("--micro-batches", type=count, default=1)
     ap.add_argument("--schedule", choices=list(schedules.SCHEDULES), default="1f1b")
     ap.add_argument("--hardware", choices=["this", *PRESETS], default="this")
-    ap.add_argument("--flops", type=float, default=20e9, help="FLOP/s, with --hardware this")
-    ap.add_argument("--alpha", type=float, default=5e-6, help="s per message, --hardware this")
-    ap.add_argument("--beta", type=float, default=1 / 8e9, help="s per byte, --hardware this")
-    ap.add_argument("--dtype-bytes", type=int, default=4)
+    ap.add_argument("--flops", type=rate, default=20e9, help="FLOP/s, with --hardware this")
+    ap.add_argument("--alpha", type=cost, default=5e-6,
+                    help="s per message, --hardware this (0: free messages)")
+    ap.add_argument("--beta", type=cost, default=1 / 8e9,
+                    help="s per byte, --hardware this (0: infinite bandwidth)")
+    ap.add_argument("--dtype-bytes", type=count, default=4)
     ap.add_argument("--zero", type=int, choices=[0, 1], default=0)
     ap.add_argument("--recompute", action="store_true", help="recompute activations in backward")
     ap.add_argument("--json", action="store_true", help="print the prediction as JSON")
     args = ap.parse_args(argv)
     spec = GPT3 if args.preset == "gpt3" else GPTSpec(args.vocab, args.d_model, args.n_heads,
                                                        args.n_layers, args.seq_len)
+    problem = layout_problem(spec, args)
+    if problem:
+        ap.error(problem)
     hw = this_machine(args.flops, args.alpha, args.beta) if args.hardware == "this" \
         else PRESETS[args.hardware]
     r = predict(spec, hw, args.dp, args.tp, args.pp, args.batch_size, args.micro_batches,
                 args.schedule, args.dtype_bytes, args.zero, args.recompute)
-    if args.json:
-        print(json.dumps(dict(r, hardware=asdict(hw))))
+    if args.json:  # allow_nan=False: a NaN is an error here, never a silent "NaN" in the output
+        print(json.dumps(dict(r, hardware=asdict(hw)), allow_nan=False))
         return
     print(f"{hw.name}: GPT {spec}")
     print(f"layout dp={args.dp} tp={args.tp} pp={args.pp}, {args.micro_batches} micro-batches, "

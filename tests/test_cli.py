@@ -25,7 +25,7 @@ CASES = [  # (scheme, ranks, flags, what the message says)
      "--bucket-mb must be positive and needs --sync allreduce or ring (got nan"),
     ("serial", 1, ["--batch-size", "5000"], "--batch-size 5000 is more than the 1438 training"),
     ("serial", 1, ["--batch-size", "-1"], "--batch-size must be positive, got -1"),
-    ("serial", 1, ["--lr", "0"], "--lr must be positive, got 0.0"),
+    ("serial", 1, ["--lr", "0"], "--lr must be positive and finite, got 0.0"),
     ("serial", 1, ["--sizes", "64,10,9"], "--sizes must start with 64 (pixels) and end with 10"),
     ("serial", 1, ["--model", "gpt", "--d-model", "10", "--n-heads", "3"],
      "--d-model 10 is not divisible by --n-heads 3"),

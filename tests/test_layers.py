@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from mpipar import backend as B
 from mpipar import nn
 
 RNG = np.random.default_rng(0)
@@ -169,3 +170,38 @@ def test_canonical_names():
     assert "blocks.1.attn.qkv.W" in names and names[-1] == "head.out.b"
     assert [n for n, _ in nn.MLP([4, 5, 3]).named_parameters()] == \
         ["fc0.W", "fc0.b", "fc1.W", "fc1.b"]
+
+
+@pytest.mark.parametrize("bad", [-1, 5, 9])
+def test_cross_entropy_refuses_a_target_that_is_not_a_class(bad):
+    # z[rows, -1] would silently pick the last class, and z[rows, 5] fails far from the cause
+    logits = RNG.standard_normal((2, 3, 5))
+    targets = RNG.integers(0, 5, (2, 3))
+    targets[1, 2] = bad
+    with pytest.raises(ValueError, match=rf"target {bad} is out of range.*0\.\.4"):
+        nn.SoftmaxCrossEntropy().forward(logits, targets)
+
+
+def test_gpt_refuses_an_input_longer_than_its_context():
+    gpt = nn.GPT(13, 8, 2, 1, seq_len=6).init(0)
+    gpt.forward(RNG.integers(0, 13, (2, 6)))  # seq_len tokens, and fewer, are fine
+    gpt.forward(RNG.integers(0, 13, (2, 3)), micro_id=1)
+    with pytest.raises(ValueError, match="input of 7 tokens is longer than the model's context "
+                                         "seq_len=6"):
+        gpt.forward(RNG.integers(0, 13, (2, 7)), micro_id=2)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_parameter_set_copies_its_source(dtype):
+    """set() must own its data: with a matching dtype asarray would alias the caller's array,
+    and a later in-place change of that array would silently change the model."""
+    B.set_dtype(dtype)  # the autouse fixture restores the default afterwards
+    src = np.arange(6, dtype=dtype).reshape(2, 3)
+    p = nn.Parameter(2, 3)
+    p.set(src)
+    assert p.data.dtype == src.dtype and not np.shares_memory(p.data, src)
+    src += 100.0
+    np.testing.assert_array_equal(p.data, np.arange(6).reshape(2, 3))
+    p.set(src[:, ::-1])  # a strided view arrives C-contiguous, as the optimizer needs
+    assert p.data.flags.c_contiguous
+    np.testing.assert_array_equal(p.data, src[:, ::-1])

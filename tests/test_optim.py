@@ -90,3 +90,26 @@ def test_a_strided_parameter_is_refused_not_silently_skipped():
     p.data = p.data.T  # a transposed view: a reshape would copy and the update would be lost
     with pytest.raises(ValueError, match="C-contiguous"):
         optim.SGD([p], lr=0.1).step()
+
+
+@pytest.mark.parametrize("name, given, expected", [
+    ("adamw", None, 0.01), ("adamw", 0.0, 0.0), ("adamw", 0.05, 0.05),
+    ("adam", None, 0.0), ("adam", 0.0, 0.0), ("sgd", None, 0.0), ("sgd", 0.0, 0.0)])
+def test_make_uses_the_weight_decay_given_and_zero_means_zero(name, given, expected):
+    # an `or` default once turned adamw's explicit weight_decay=0.0 into 0.01
+    ps = params(0, "float64")
+    opt = optim.make(name, ps, 0.01) if given is None else optim.make(name, ps, 0.01, given)
+    assert opt.weight_decay == expected
+    assert getattr(opt, "decoupled", False) == (name == "adamw")
+
+
+def test_adamw_with_zero_weight_decay_steps_exactly_like_adam():
+    adam, _ = run(lambda ps: optim.make("adam", ps, 0.01, weight_decay=0.0))
+    adamw, _ = run(lambda ps: optim.make("adamw", ps, 0.01, weight_decay=0.0))
+    for a, b in zip(adam, adamw):
+        assert a.tobytes() == b.tobytes()
+
+
+def test_make_refuses_an_unknown_name():
+    with pytest.raises(ValueError, match="unknown optimizer 'lamb'"):
+        optim.make("lamb", params(0, "float64"), 0.01)

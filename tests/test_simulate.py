@@ -1,5 +1,6 @@
 """The cost model agrees with the formulas of REFERENCE.md where they apply."""
 
+import json
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -240,3 +241,59 @@ def test_zero1_shards_the_optimizer_update():
                    for z in (0, 1))
     n = 2 * (256 * 256 + 256)
     assert plain - zero == pytest.approx(n * 1e-8 * (1 - 1 / 4), rel=1e-9)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--tp", "0"], "argument --tp: expected a whole number > 0, got '0'"),
+    (["--dp", "-2"], "argument --dp: expected a whole number > 0, got '-2'"),
+    (["--pp", "0"], "argument --pp: expected a whole number > 0"),
+    (["--micro-batches", "0"], "argument --micro-batches: expected a whole number > 0"),
+    (["--batch-size", "-1"], "argument --batch-size: expected a whole number > 0"),
+    (["--d-model", "0"], "argument --d-model: expected a whole number > 0"),
+    (["--n-heads", "0"], "argument --n-heads"),
+    (["--n-layers", "0"], "argument --n-layers"),
+    (["--seq-len", "0"], "argument --seq-len"),
+    (["--vocab", "0"], "argument --vocab"),
+    (["--dtype-bytes", "0"], "argument --dtype-bytes"),
+    (["--tp", "1.5"], "argument --tp: expected a whole number > 0, got '1.5'"),
+    (["--flops", "0"], "argument --flops: expected a finite number > 0, got '0'"),
+    (["--flops=-1e9"], "argument --flops: expected a finite number > 0"),
+    (["--flops", "nan"], "argument --flops: expected a finite number > 0, got 'nan'"),
+    (["--flops", "inf"], "argument --flops: expected a finite number > 0, got 'inf'"),
+    (["--alpha=-1e-6"], "argument --alpha: expected a finite number >= 0"),
+    (["--alpha", "nan", "--json"], "argument --alpha: expected a finite number >= 0"),
+    (["--beta", "inf"], "argument --beta: expected a finite number >= 0"),
+    (["--n-heads", "5"], "--d-model 64 is not divisible by --n-heads 5"),
+    (["--tp", "3"], "--tp 3 must divide the head count (4) and the hidden size (64)"),
+    (["--pp", "5"], "--pp 5 stages but the model has only 4 layers"),
+    (["--dp", "4", "--micro-batches", "4", "--batch-size", "8"],
+     "--batch-size 8 cannot give every one of --dp 4 replicas x --micro-batches 4 a row"),
+])
+def test_cli_refuses_impossible_input_with_one_error_line(flags, says, capsys):
+    """Zero, negative or non-finite numbers once gave negative memory, NaN in the JSON or a
+    traceback; each is refused before predicting, by argparse (exit 2, one error line)."""
+    with pytest.raises(SystemExit) as exit_info:
+        S.main(flags)
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 2 and out == ""
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and err.splitlines()[-1] == errors[0], err
+    assert says in errors[0], errors[0]
+
+
+def test_cli_accepts_free_links_and_the_lesson_commands(capsys):
+    """alpha = beta = 0 is an ideal machine, not an error; the lesson's commands still run."""
+    S.main(["--alpha", "0", "--beta", "0", "--json"])
+    r = json.loads(capsys.readouterr().out)
+    assert r["step_s"] > 0 and r["mem_total_bytes"] > 0
+    S.main("--preset gpt3 --hardware a100 --dp 8 --tp 8 --pp 16 --micro-batches 64 "
+           "--batch-size 1536 --dtype-bytes 2 --zero 1 --recompute".split())
+    assert "predicted step" in capsys.readouterr().out
+
+
+def test_cli_refusal_exits_2_from_the_command_line():
+    out = subprocess.run([sys.executable, "-m", "mpipar.simulate", "--tp", "-2"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.splitlines()[-1].endswith(
+        "error: argument --tp: expected a whole number > 0, got '-2'")

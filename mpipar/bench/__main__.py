@@ -1,4 +1,6 @@
-"""python -m mpipar.bench {engine,net,dp,pp,tp,hybrid}: run one benchmark, write its CSV."""
+"""python -m mpipar.bench {engine,flops,net,dp,pp,tp,hybrid}: run one benchmark, write its CSV
+and pictures into --out DIR (default: a scratch folder; --out plots replaces the committed
+results, as make report does). Flags given beside --quick win over its shorter defaults."""
 
 import argparse
 import importlib

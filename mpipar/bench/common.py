@@ -1,6 +1,7 @@
-"""What every benchmark shares: the environment of a row, CSV output, timing, and running a
-worker under ``mpirun`` from a plain ``python -m mpipar.bench ...``."""
+"""What every benchmark shares: the command line, the environment of a row, CSV output, timing,
+and running a worker under ``mpirun`` from a plain ``python -m mpipar.bench ...``."""
 
+import argparse
 import csv
 import json
 import os
@@ -9,12 +10,17 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-# where CSVs and pictures go: the project's plots/, or MPIPAR_PLOTS (the tests use a scratch
-# folder, so that running a lesson's benchmark command never overwrites the committed results)
+# The results: the project's committed plots/, or MPIPAR_PLOTS (the tests use a scratch folder).
+# ``make report`` (mpipar.report) runs every benchmark with ``--out PLOTS`` and reads them back.
 PLOTS = Path(os.environ.get("MPIPAR_PLOTS") or Path(__file__).resolve().parents[2] / "plots")
+# where a benchmark run from the command line writes unless given --out: never over the
+# committed plots/ (trying a benchmark, or a lesson's command, must not replace the results
+# the lessons quote); with MPIPAR_PLOTS set, that folder, which is not the committed one
+SCRATCH = Path(tempfile.gettempdir()) / "mpipar-plots"
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
@@ -42,10 +48,11 @@ def environment(ranks=1, threads=1):
     }
 
 
-def write_csv(name, rows):
-    """Write rows (dicts) to plots/<name>, columns in first-seen order; return the path."""
-    PLOTS.mkdir(exist_ok=True)
-    path = PLOTS / name
+def write_csv(name, rows, folder=PLOTS):
+    """Write rows (dicts) to folder/name (plots/ unless told), columns in first-seen order;
+    return the path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
     fields = []
     for row in rows:
         fields += [k for k in row if k not in fields]
@@ -56,8 +63,8 @@ def write_csv(name, rows):
     return path
 
 
-def read_csv(name):
-    with open(PLOTS / name, newline="") as f:
+def read_csv(name, folder=PLOTS):
+    with open(folder / name, newline="") as f:
         return list(csv.DictReader(f))
 
 
@@ -119,18 +126,51 @@ def save_figure(fig, path):
     return path
 
 
-def bench_parser(name, quick_help="fewer sizes and repeats", worker=True):
-    """The command line every benchmark starts from: ``--quick``, and (unless it has its own)
-    the hidden ``--worker`` flag with which its mpirun ranks run the timed part."""
-    import argparse
+class BenchParser(argparse.ArgumentParser):
+    """A benchmark's command line. A flag added with :meth:`sized` has two defaults, one for a
+    normal run and one for ``--quick``, filled in after parsing where the flag was not given:
+    a flag given on the command line always wins (``--quick --steps 20`` times 20 steps)."""
 
-    ap = argparse.ArgumentParser(prog=f"python -m mpipar.bench {name}")
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sized_defaults = {}  # dest -> (normal, quick)
+
+    def sized(self, flag, normal, quick, help=None, **kwargs):
+        if help != argparse.SUPPRESS:
+            help = f"{help + ' ' if help else ''}(default {normal}; with --quick {quick})"
+        action = self.add_argument(flag, default=None, help=help, **kwargs)
+        self.sized_defaults[action.dest] = (normal, quick)
+
+    def parse_known_args(self, args=None, namespace=None):  # parse_args calls this too
+        args, rest = super().parse_known_args(args, namespace)
+        for dest, (normal, quick) in self.sized_defaults.items():
+            if getattr(args, dest) is None:
+                setattr(args, dest, quick if args.quick else normal)
+        return args, rest
+
+
+def bench_parser(name, quick_help="fewer sizes and repeats", worker=True):
+    """The command line every benchmark starts from: ``--quick``, ``--out`` and (unless it has
+    its own) the hidden ``--worker`` flag with which its mpirun ranks run the timed part."""
+    ap = BenchParser(prog=f"python -m mpipar.bench {name}")
     ap.add_argument("--quick", action="store_true", help=quick_help)
+    default = PLOTS if os.environ.get("MPIPAR_PLOTS") else SCRATCH
+    ap.add_argument("--out", type=Path, default=default,
+                    help=f"folder for the CSV and pictures (default {default}; `--out plots` "
+                         "replaces the committed results, as `make report` does)")
     if worker:
         ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return ap
 
 
+def int_list(text):
+    """An argparse type: comma-separated whole numbers, "1,4,16" -> [1, 4, 16]."""
+    return [int(v) for v in text.split(",")]
+
+
 def wrote(*paths):
     """Say where a benchmark wrote its CSV and pictures."""
-    print("-> " + ", ".join(map(str, paths)), flush=True)
+    note = ""
+    if Path(paths[0]).resolve().parent == SCRATCH.resolve():
+        note = "  (a scratch folder: --out plots replaces the committed results)"
+    print("-> " + ", ".join(map(str, paths)) + note, flush=True)

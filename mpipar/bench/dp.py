@@ -1,7 +1,7 @@
 """Data parallelism: step time, speedup and communication share per sync mode, and the measured
 gradient communication beside its alpha-beta prediction.
 
-    python -m mpipar.bench dp             # writes plots/dp.csv and plots/dp_speedup.png
+    python -m mpipar.bench dp             # dp.csv and dp_speedup.png in --out (see mpipar.bench)
 
 A compute-bound MLP (widths 64-1024-1024-1024-10, 2.2 M parameters, 8.7 MB of float32
 gradients) on the digits, global batch 1024 (about 100 ms per step on one rank), float32, one
@@ -56,7 +56,6 @@ import os
 import statistics
 
 from mpipar.bench.common import (
-    PLOTS,
     bench_parser,
     cores,
     environment,
@@ -206,7 +205,7 @@ def plot(rows, path):
 
 def main(argv=None):
     ap = bench_parser("dp", "one launch per rank count, few rounds")
-    ap.add_argument("--rounds", type=int, default=6, help="timed steps per mode and launch")
+    ap.sized("--rounds", 6, 3, type=int, help="timed steps per mode and launch")
     ap.add_argument("--warmup", type=int, default=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -219,7 +218,7 @@ def main(argv=None):
     gamma = measure_gamma()
     print(f"alpha {alpha * 1e6:.2f} us, beta {beta * 1e9:.4f} ns/byte ({1 / beta / 1e9:.2f} GB/s),"
           f" gamma {gamma * 1e9:.4f} ns/byte")
-    rounds = 3 if args.quick else args.rounds
+    rounds = args.rounds
     passes = 1 if args.quick else 3
     load = os.getloadavg()[0]  # other work on the machine, for the record
     runs = {}  # (ranks, mode) -> worker result, samples pooled over passes
@@ -257,8 +256,8 @@ def main(argv=None):
                              samples=len(res["samples"]), steady_heap=res["steady_heap"],
                              alpha=alpha, beta=beta, gamma=gamma,
                              loadavg_1min=round(load, 2)))
-    path = write_csv("dp.csv", rows)
-    png = plot(rows, PLOTS / "dp_speedup.png")
+    path = write_csv("dp.csv", rows, args.out)
+    png = plot(rows, args.out / "dp_speedup.png")
     print(f"{'ranks':>5} {'mode':<18} {'step ms':>8} {'speedup':>8} {'comm %':>7} "
           f"{'grad comm ms':>13} {'model ms':>9} {'opt state':>10}")
     for r in rows:

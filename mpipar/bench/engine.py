@@ -1,7 +1,7 @@
 """The engine's overhead: one MLP training step through mpipar.nn against the same step
 written as bare NumPy matrix products, in the same run.
 
-    python -m mpipar.bench engine
+    python -m mpipar.bench engine     # engine.csv and engine.png in --out (see mpipar.bench)
 
 MLP widths [784, 128, 127, 126, 125, 124, 123, 10], batch 128, float32, one BLAS thread,
 plain SGD. Both steps do the same arithmetic (forward, softmax cross-entropy, backward, update),
@@ -15,7 +15,7 @@ import numpy as np
 
 from mpipar import backend as B
 from mpipar import nn, optim
-from mpipar.bench.common import PLOTS, bench_parser, environment, pyplot, save_figure, write_csv
+from mpipar.bench.common import bench_parser, environment, pyplot, save_figure, write_csv, wrote
 
 SIZES = [784, 128, 127, 126, 125, 124, 123, 10]
 
@@ -56,22 +56,22 @@ def seconds(fn):
     return time.perf_counter() - t0
 
 
-def plot(engine, bare, ratio):
+def plot(engine, bare, ratio, path):
     plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 2.4))
     ax.barh(["bare NumPy", "mpipar.nn"], [bare * 1e3, engine * 1e3], color=["#999999", "#4C72B0"])
     ax.set_xlabel("ms per training step (median of many alternating calls)")
     ax.set_title(f"One MLP step, batch 128, float32, 1 thread: ratio {ratio:.2f}")
-    save_figure(fig, PLOTS / "engine.png")
+    return save_figure(fig, path)
 
 
 def main(argv=None):
     ap = bench_parser("engine", worker=False)
     ap.add_argument("--batch-size", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=200)
+    ap.sized("--repeats", 200, 30, type=int)
     args = ap.parse_args(argv)
-    repeats = 30 if args.quick else args.repeats
+    repeats = args.repeats
     B.use("numpy", "float32")
     rng = np.random.default_rng(0)
     x = rng.standard_normal((args.batch_size, SIZES[0])).astype(np.float32)
@@ -104,13 +104,14 @@ def main(argv=None):
                batch=args.batch_size, dtype="float32", engine_ms=round(engine * 1e3, 4),
                bare_numpy_ms=round(bare * 1e3, 4), ratio=round(ratio, 4),
                fastest_ratio=round(fastest, 4), repeats=repeats)
-    path = write_csv("engine.csv", [row])
-    plot(engine, bare, ratio)
+    path = write_csv("engine.csv", [row], args.out)
+    png = plot(engine, bare, ratio, args.out / "engine.png")
     print(f"one MLP step {SIZES}, batch {args.batch_size}, float32, 1 thread (medians):")
     print(f"  mpipar.nn   {engine * 1e3:8.3f} ms")
     print(f"  bare NumPy  {bare * 1e3:8.3f} ms")
     print(f"  ratio       {ratio:8.3f}  (target <= 1.15; median over {repeats} paired calls; "
-          f"fastest against fastest {fastest:.3f})   -> {path}")
+          f"fastest against fastest {fastest:.3f})")
+    wrote(path, png)
 
 
 if __name__ == "__main__":

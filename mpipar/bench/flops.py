@@ -1,6 +1,6 @@
 """The FLOP rate one rank sustains while k of P ranks compute at once and the others wait.
 
-    python -m mpipar.bench flops
+    python -m mpipar.bench flops          # flops.csv in --out (see mpipar.bench)
 
 Two cores do not give twice one core's FLOP rate when both are busy (shared caches, memory
 bandwidth, clock boost), and four ranks on two cores get about half a core each. When only
@@ -75,10 +75,9 @@ def worker(repeats, computing):
                   gflops_mean=statistics.median(each) / 1e9))
 
 
-def measure(quick=False):
+def measure(repeats=15):
     """{(ranks, computing): {"gflops_per_rank": the pace of the last computing rank,
-    "gflops_mean": the mean over the computing ranks}}."""
-    repeats = 5 if quick else 15
+    "gflops_mean": the mean over the computing ranks}}, each the median of ``repeats``."""
     runs = [(p, p) for p in RANKS] + [(PARTIAL, k) for k in range(1, PARTIAL)]
     return {(p, k): run_ranks(p, "mpipar.bench.flops", ["--worker", "--repeats", repeats,
                                                         "--computing", k])[0]
@@ -87,13 +86,13 @@ def measure(quick=False):
 
 def main(argv=None):
     ap = bench_parser("flops")
-    ap.add_argument("--repeats", type=int, default=15, help=argparse.SUPPRESS)
+    ap.sized("--repeats", 15, 5, type=int, help="timed repeats per configuration (median)")
     ap.add_argument("--computing", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         worker(args.repeats, args.computing)
         return
-    rates = measure(args.quick)
+    rates = measure(args.repeats)
     one = rates[(1, 1)]["gflops_per_rank"]
     rows = [dict(environment(p), bench="flops", matmul=f"{N}x{N}x{N} float32", computing=k,
                  gflops_per_rank=round(r["gflops_per_rank"], 3),
@@ -101,7 +100,7 @@ def main(argv=None):
                  gflops_mean=round(r["gflops_mean"], 3),
                  share_mean=round(r["gflops_mean"] / one, 4))
             for (p, k), r in sorted(rates.items())]
-    path = write_csv("flops.csv", rows)
+    path = write_csv("flops.csv", rows, args.out)
     for row in rows:
         print(f"{row['computing']} of {row['ranks']} ranks computing: "
               f"{row['gflops_per_rank']:7.2f} GFLOP/s per rank by the last to finish "

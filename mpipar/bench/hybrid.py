@@ -1,7 +1,7 @@
 """Hybrid 3D parallelism: every DP x TP x PP layout of 4 ranks on the same GPT, with its step
 time, the memory each rank holds and the bytes each group type moves.
 
-    python -m mpipar.bench hybrid        # writes plots/hybrid.csv and plots/hybrid.png
+    python -m mpipar.bench hybrid        # hybrid.csv and hybrid.png in --out (see mpipar.bench)
 
 The GPT (d_model 128, 4 heads, 4 blocks, context 64, vocabulary of the text data; global batch
 32, 4 micro-batches per replica, float32, Adam, one BLAS thread per rank) is trained by
@@ -31,7 +31,6 @@ import json
 import statistics
 
 from mpipar.bench.common import (
-    PLOTS,
     bench_parser,
     cores,
     environment,
@@ -169,15 +168,14 @@ def plot(rows, path):
 
 def main(argv=None):
     ap = bench_parser("hybrid", "one launch, few rounds")
-    ap.add_argument("--rounds", type=int, default=8, help="timed steps per layout and launch")
-    ap.add_argument("--warmup", type=int, default=2, help=argparse.SUPPRESS)
+    ap.sized("--rounds", 8, 2, type=int, help="timed steps per layout and launch")
+    ap.sized("--warmup", 2, 1, type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         worker(args.rounds, args.warmup)
         return
 
-    rounds = 2 if args.quick else args.rounds
-    warmup = 1 if args.quick else args.warmup
+    rounds, warmup = args.rounds, args.warmup
     passes = 1 if args.quick else 2
     runs = {}
     for _ in range(passes):
@@ -216,8 +214,8 @@ def main(argv=None):
         row.update(per_rank_bytes=json.dumps(totals), stages=json.dumps(res["stages"]),
                    samples=len(res["samples"]))
         rows.append(row)
-    path = write_csv("hybrid.csv", rows)
-    png = plot(rows, PLOTS / "hybrid.png")
+    path = write_csv("hybrid.csv", rows, args.out)
+    png = plot(rows, args.out / "hybrid.png")
     print(f"serial step {serial_ms:.1f} ms;  {RANKS} ranks on {cores()} cores"
           + (" (oversubscribed)" if rows[0]["oversubscribed"] else ""))
     print(f"{'layout':<14} {'step ms':>8} {'serial/step':>11} {'MiB max':>8} {'MiB min':>8} "

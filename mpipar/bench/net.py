@@ -2,7 +2,7 @@
 fitted to a ping-pong between two ranks, then the time of an allreduce against its size for
 three algorithms, measured and predicted by the alpha-beta(-gamma) formulas of REFERENCE.md.
 
-    python -m mpipar.bench net            # writes plots/net.csv and plots/net_allreduce.png
+    python -m mpipar.bench net      # net.csv and net_allreduce.png in --out (see mpipar.bench)
 
 1. Ping-pong (2 ranks): rank 0 sends n bytes, rank 1 sends them back; half the round trip is
    t(n) = alpha + n beta. Sizes 8 B to 16 MiB; alpha and beta by least squares on the RELATIVE
@@ -42,7 +42,6 @@ import time
 import numpy as np
 
 from mpipar.bench.common import (
-    PLOTS,
     bench_parser,
     environment,
     pyplot,
@@ -305,8 +304,8 @@ def main(argv=None):
                          loadavg_1min=round(load, 2)))
         print(f"{4:5d} {m['bytes']:10d} {m['seconds'] * 1e6:12.1f} {pred * 1e6:8.1f}"
               + ("  (oversubscribed)" if 4 > cores() else ""))
-    path = write_csv("net.csv", rows)
-    png = plot(ping, alpha, beta, gamma, measured, PLOTS / "net_allreduce.png")
+    path = write_csv("net.csv", rows, args.out)
+    png = plot(ping, alpha, beta, gamma, measured, args.out / "net_allreduce.png")
     wrote(path, png)
 
 

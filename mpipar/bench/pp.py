@@ -1,7 +1,7 @@
 """Pipeline parallelism: the measured bubble beside (p-1)/(m+p-1), the activations each stage
 stashes under GPipe and 1F1B, and the step time beside the serial trainer's.
 
-    python -m mpipar.bench pp     # plots/pp.csv, pp_bubble.png, pp_memory.png, pp_timelines.png
+    python -m mpipar.bench pp     # pp.csv, pp_bubble.png, pp_memory.png, pp_timelines.png in --out
 
 Balanced stages, so that the formula applies: every stage holds the same LAYERS = 4 blocks of
 Linear(W, W) + ReLU (W = 1024, float32, one BLAS thread per rank; every Linear computes its
@@ -28,10 +28,10 @@ import argparse
 import statistics
 
 from mpipar.bench.common import (
-    PLOTS,
     bench_parser,
     cores,
     environment,
+    int_list,
     median_time,
     pyplot,
     run_ranks,
@@ -241,16 +241,15 @@ def plot_timelines(results, p, path):
 
 def main(argv=None):
     ap = bench_parser("pp", "fewer micro-batch counts and steps")
-    ap.add_argument("--steps", type=int, default=8, help="timed steps per configuration")
-    ap.add_argument("--micro", default=",".join(map(str, MICRO)), help=argparse.SUPPRESS)
-    ap.add_argument("--warmup", type=int, default=2, help=argparse.SUPPRESS)
+    ap.sized("--steps", 8, 3, type=int, help="timed steps per configuration")
+    ap.sized("--micro", list(MICRO), [1, 4, 16], type=int_list,
+             help="micro-batch counts, comma-separated")
+    ap.sized("--warmup", 2, 1, type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    micro = [int(v) for v in args.micro.split(",")]
+    micro = args.micro
     if args.worker:
         worker(micro, args.steps, args.warmup)
         return
-    if args.quick:
-        micro, args.steps, args.warmup = [1, 4, 16], 3, 1
 
     from mpipar.schedules import bubble_formula
 
@@ -276,11 +275,11 @@ def main(argv=None):
                 peak_stash_bytes=res["peaks"][stage], in_flight=res["in_flight"][stage],
                 predicted_stash_bytes=res["in_flight"][stage] * res["per_micro"][stage],
                 steps_timed=args.steps))
-    path = write_csv("pp.csv", rows)
+    path = write_csv("pp.csv", rows, args.out)
     per_config = [r for r in rows if r["stage"] == 0]
-    pngs = [plot_bubble(per_config, PLOTS / "pp_bubble.png"),
-            plot_memory(rows, PLOTS / "pp_memory.png", 4, 8 if 8 in micro else max(micro)),
-            plot_timelines(results, 4, PLOTS / "pp_timelines.png")]
+    pngs = [plot_bubble(per_config, args.out / "pp_bubble.png"),
+            plot_memory(rows, args.out / "pp_memory.png", 4, 8 if 8 in micro else max(micro)),
+            plot_timelines(results, 4, args.out / "pp_timelines.png")]
     print(f"{'P':>2} {'schedule':<7} {'m':>3} {'bubble':>7} {'formula':>8} {'step ms':>8} "
           f"{'serial ms':>9} {'speedup':>7}  peak stash per stage (KiB)")
     for r in per_config:

@@ -1,7 +1,8 @@
 """Tensor parallelism: step time and communication share of one transformer block against its
 hidden size h, on P = 1 and P = 2 ranks, and where P = 2 starts to pay off.
 
-    python -m mpipar.bench tp             # writes plots/tp.csv and plots/tp_comm_share.png
+    python -m mpipar.bench tp             # tp.csv and tp_comm_share.png in --out (see mpipar.bench)
+    python -m mpipar.bench tp --plot-only --out plots   # redraw the committed picture
 
 One :class:`mpipar.tensor_parallel.ParallelBlock` (h / 16 heads of width 16, so attention's
 work grows with h like the rest), float32, one BLAS thread per rank, for two step shapes:
@@ -40,10 +41,10 @@ import statistics
 import numpy as np
 
 from mpipar.bench.common import (
-    PLOTS,
     bench_parser,
     cores,
     environment,
+    int_list,
     pyplot,
     read_csv,
     run_ranks,
@@ -251,19 +252,19 @@ def plot(rows, path):
 def main(argv=None):
     ap = bench_parser("tp", "fewer sizes and repeats")
     ap.add_argument("--plot-only", action="store_true",
-                    help="redraw plots/tp_comm_share.png from plots/tp.csv, measure nothing")
-    ap.add_argument("--hidden", default=",".join(map(str, HIDDEN)))
-    ap.add_argument("--repeats", type=int, default=11)
+                    help="redraw tp_comm_share.png from tp.csv in --out, measure nothing")
+    ap.sized("--hidden", HIDDEN, QUICK_HIDDEN, type=int_list,
+             help="hidden sizes, comma-separated")
+    ap.sized("--repeats", 11, 3, type=int)
     ap.add_argument("--budget", type=float, default=0.06,
                     help="seconds of steps per configuration and round")
     args = ap.parse_args(argv)
-    hidden = QUICK_HIDDEN if args.quick else [int(v) for v in args.hidden.split(",")]
-    repeats = 3 if args.quick else args.repeats
+    hidden, repeats = args.hidden, args.repeats
     if args.worker:
         worker(hidden, repeats, args.budget)
         return
     if args.plot_only:
-        wrote(plot(read_csv('tp.csv'), PLOTS / 'tp_comm_share.png'))
+        wrote(plot(read_csv("tp.csv", args.out), args.out / "tp_comm_share.png"))
         return
 
     from mpipar.bench.net import measure_alpha_beta, measure_gamma
@@ -321,8 +322,8 @@ def main(argv=None):
                   f"{100 * two['predicted_comm_share']:8.1f} {two['comm_min_ms']:12.3f} "
                   f"{two['predicted_comm_ms']:9.3f}")
         print(f"P = 2 pays off from h = {cross_m} (measured) / h = {cross_p} (alpha-beta model)")
-    path = write_csv("tp.csv", rows)
-    png = plot(rows, PLOTS / "tp_comm_share.png")
+    path = write_csv("tp.csv", rows, args.out)
+    png = plot(rows, args.out / "tp_comm_share.png")
     wrote(path, png)
 
 
