@@ -22,6 +22,7 @@ A scheme is a trainer class with one small interface:
 import math
 import os
 import sys
+from collections import deque
 
 import numpy as np
 from mpi4py import MPI
@@ -34,6 +35,7 @@ from mpipar.schedules import bubble_formula, format_schedule, peak_in_flight
 from mpipar.trace import TRACE, gantt, median_bubble, median_step, step_summary
 
 DRAWN = ("forward", "backward", "optimizer")  # trace kinds on the timeline; the rest is idle
+WINDOW = 500  # steps whose traces the pipeline's report keeps (the last ones)
 
 
 # ----------------------------------------------------------------------------- reports
@@ -43,8 +45,8 @@ class Report:
     final-loss line, lines after it) on world rank 0. ``lines()`` is called on every rank,
     since a report may gather from them all."""
 
-    def __init__(self, a, task, trainer, grid):
-        self.a, self.task, self.trainer, self.grid = a, task, trainer, grid
+    def __init__(self, a, task, trainer, grid, start=0):
+        self.a, self.task, self.trainer, self.grid, self.start = a, task, trainer, grid, start
         self.n_params = sum(p.size for p in task.build_model().parameters())
         self.desc = {"data_parallel": f"dp x{a.dp}", "tensor_parallel": f"tp x{a.tp}",
                      "hybrid": f"hybrid {a.dp}x{a.tp}x{a.pp}"}.get(a.scheme, a.scheme)
@@ -102,12 +104,15 @@ def stage_lines(a, task, trainer, where):
 class PipelineReport(Report):
     def __init__(self, *args):
         super().__init__(*args)
-        self.summaries, self.step_events = [], []
+        # the last WINDOW steps only: a long run's memory stays flat
+        self.summaries, self.step_events = deque(maxlen=WINDOW), deque(maxlen=WINDOW)
+        self.n_recorded = 0
         self.after_step = self.record
 
     def record(self):
         self.summaries.append(step_summary(TRACE.events))
         self.step_events.append([e for e in TRACE.events if e[2] in DRAWN])
+        self.n_recorded += 1
 
     def header(self):
         a, p, v = self.a, self.a.stages, self.a.chunks
@@ -122,29 +127,32 @@ class PipelineReport(Report):
 
     def lines(self):
         pp_comm = self.grid.pp_comm
-        summaries = pp_comm.gather_obj(self.summaries)
+        summaries = pp_comm.gather_obj(list(self.summaries))
         peaks = pp_comm.gather_obj(self.trainer.peak_stash_bytes)
-        step_events = pp_comm.gather_obj(self.step_events)
+        step_events = pp_comm.gather_obj(list(self.step_events))
         if pp_comm.rank != 0:
             return [], []
         a, p, v, m = self.a, self.a.stages, self.a.chunks, self.a.micro_batches
         in_flight = [peak_in_flight(self.trainer.schedule_of(s)) for s in range(p)]
         shared = f" ({p} ranks on {B.cores()} cores)" if p > B.cores() else ""
-        steps = f"steps 2..{a.steps}" if a.steps > 2 else \
-            ("step 2" if a.steps == 2 else "step 1, the only one")
-        after = [f"bubble measured from the trace {median_bubble(summaries):.3f} (median over "
-                 f"{steps}), " + ("(p-1)/(m+p-1)" if v == 1 else "(p-1)/(v*m+p-1)")
+        kept = len(summaries[0])
+        first = a.steps - kept  # the steps before the first one kept
+        skip = 1 if first == self.start and kept > 1 else 0  # the run's first step warms up
+        steps = f"steps {first + skip + 1}..{a.steps}" if a.steps > first + skip + 1 else \
+            f"step {a.steps}" + (", the only one" if kept == 1 else "")
+        after = [f"bubble measured from the trace {median_bubble(summaries, skip):.3f} (median "
+                 f"over {steps}), " + ("(p-1)/(m+p-1)" if v == 1 else "(p-1)/(v*m+p-1)")
                  + f" = {bubble_formula(p, m, a.schedule, v):.3f}{shared}",
                  "peak activation stash per stage: " + ", ".join(
                      f"{_fmt_bytes(b)} ({k} {'chunk ' if v > 1 else ''}micro-batch"
                      f"{'es' if k > 1 else ''})" for b, k in zip(peaks, in_flight))]
         if a.timeline and a.timeline.lower() != "none":
-            i = median_step(summaries)
+            i = median_step(summaries, skip)
             title = (f"{a.model}, {a.schedule}, {p} stages" + (f" x {v} chunks" if v > 1 else "")
-                     + f", {m} micro-batches: step {i + 1} of {a.steps}, the median step by "
-                     "duration")
+                     + f", {m} micro-batches: step {first + i + 1} of {a.steps}, the median step "
+                     "by duration")
             gantt([events[i] for events in step_events], a.timeline, title=title)
-            after.append(f"timeline of step {i + 1} (the median by duration): "
+            after.append(f"timeline of step {first + i + 1} (the median by duration): "
                          f"{os.path.abspath(a.timeline)}")
         return [], after
 
@@ -296,11 +304,15 @@ def save_params(path, named_arrays):
     write leaves the previous file whole. Returns the path written (".npz" added if absent)."""
     path = path if path.endswith(".npz") else path + ".npz"  # as np.savez names it
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        np.savez(f, **{name: B.to_numpy(a) for name, a in named_arrays})
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, **{name: B.to_numpy(a) for name, a in named_arrays})
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):  # the write failed: the previous file is untouched
+            os.remove(tmp)
     return path
 
 
@@ -334,10 +346,11 @@ def main(scheme, argv=None):
         return
     trainer = trainer_class(scheme, a)(task, grid, a)
     start, loss = checkpoint.load(a.resume, trainer, a) if a.resume else (0, None)
-    report = REPORTS[scheme](a, task, trainer, grid)
+    report = REPORTS[scheme](a, task, trainer, grid, start)
     comm.log(report.header() + (f"\nresumed from {a.resume} after step {start}" if a.resume
                                 else ""))
-    loss = train(trainer, a, report.desc, report.after_step, start, loss)
+    with np.errstate(over="ignore", invalid="ignore"):  # a diverging run stops with one line
+        loss = train(trainer, a, report.desc, report.after_step, start, loss)
     comm.EXPLAIN = a.explain
     params = trainer.full_params()  # narrated: a scheme's last step gathers the model
     comm.EXPLAIN = False
