@@ -137,7 +137,8 @@ class BenchParser(argparse.ArgumentParser):
 
     def sized(self, flag, normal, quick, help=None, **kwargs):
         if help != argparse.SUPPRESS:
-            help = f"{help + ' ' if help else ''}(default {normal}; with --quick {quick})"
+            shown = [",".join(map(str, v)) if isinstance(v, list) else v for v in (normal, quick)]
+            help = f"{help + ' ' if help else ''}(default {shown[0]}; with --quick {shown[1]})"
         action = self.add_argument(flag, default=None, help=help, **kwargs)
         self.sized_defaults[action.dest] = (normal, quick)
 
