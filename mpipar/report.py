@@ -37,7 +37,7 @@ from mpipar.validate import (  # noqa: E402
     validation_rows,
 )
 
-BENCHES = ["engine", "flops", "net", "dp", "tp", "pp", "hybrid"]
+BENCHES = ["engine", "flops", "net", "dp", "tp", "pp", "hybrid", "ckpt"]
 
 
 def _true(value):

@@ -203,6 +203,32 @@ def layouts_section():
     return lines
 
 
+def checkpoint_section():
+    """Checkpoint write and read time against the model's size (ckpt.csv), when measured."""
+    if not (PLOTS / "ckpt.csv").exists():
+        return []
+    rows = read_csv("ckpt.csv")
+    big = max((r for r in rows if r["scheme"] == "serial"), key=lambda r: int(r["params"]))
+    pipe = max((r for r in rows if r["scheme"] == "pipeline"), key=lambda r: int(r["params"]))
+    mib = _f(big, "bytes_total") / 2**20
+    return [
+        "## Checkpoints",
+        "",
+        "![checkpoint time](ckpt.png)",
+        "",
+        f"A checkpoint of the GPT with Adam holds every parameter and its two moments: "
+        f"{int(big['params']):,} parameters are {mib:.1f} MiB, written in "
+        f"{_f(big, 'write_ms'):.0f} ms by one process ({mib / _f(big, 'write_ms') * 1e3:.0f} "
+        f"MiB/s, the flush to disk and the SHA-256 of the manifest included) and read back in "
+        f"{_f(big, 'read_ms'):.0f} ms. As a 2-stage pipeline each rank writes only its own "
+        f"stage ({_f(pipe, 'bytes_per_rank_max') / 2**20:.1f} MiB at most) into its own file, "
+        f"in {_f(pipe, 'write_ms'):.0f} ms for the slower rank; its read, "
+        f"{_f(pipe, 'read_ms'):.0f} ms, includes rank 0's check of every file's SHA-256 before "
+        "any rank loads (`ckpt.csv`: medians of the repeats, with the spread of the writes).",
+        "",
+    ]
+
+
 def cost_model_section(validation):
     inside = [r for r in validation if abs(r["error"]) <= 0.2]
     fair = [r for r in validation if not r["oversubscribed"]]  # a core per rank
@@ -277,7 +303,8 @@ def write_report(validation, extrapolation, bench_times):
     dp = read_csv("dp.csv")
     lines = (header(env, bench_times) + engine_section(env) + speedup_section(dp)
              + allreduce_section() + data_parallel_section(dp) + pipeline_section()
-             + tensor_parallel_section() + layouts_section() + cost_model_section(validation)
+             + tensor_parallel_section() + layouts_section() + checkpoint_section()
+             + cost_model_section(validation)
              + extrapolation_section(extrapolation))
     path = PLOTS / "REPORT.md"
     path.write_text("\n".join(lines))

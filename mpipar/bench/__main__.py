@@ -1,4 +1,4 @@
-"""python -m mpipar.bench {engine,flops,net,dp,pp,tp,hybrid}: run one benchmark, write its CSV
+"""python -m mpipar.bench {engine,flops,net,dp,pp,tp,hybrid,ckpt}: run one benchmark, write its CSV
 and pictures into --out DIR (default: a scratch folder; --out plots replaces the committed
 results, as make report does). Flags given beside --quick win over its shorter defaults."""
 
@@ -17,6 +17,7 @@ BENCHES = {
     "tp": "tensor parallelism: step time and communication share against hidden size",
     "hybrid": "every DP x TP x PP layout of 4 ranks",
     "flops": "the FLOP rate per rank while 1, 2 or 4 ranks compute at once",
+    "ckpt": "checkpoint write and read time per rank against the model's size",
 }
 
 
