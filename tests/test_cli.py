@@ -2,6 +2,7 @@
 and one clear message (the distributed tests check that every rank of a job exits so)."""
 
 import pytest
+from conftest import assert_refused
 
 from mpipar import serial
 from mpipar.cli import FLAG_RULES, MODEL_RULES, check_model, parse_args
@@ -109,3 +110,14 @@ def _unchecked(scheme, flags, ranks):
         return None
     finally:
         cli.FLAG_RULES = saved
+
+
+@pytest.mark.parametrize("ranks,scheme,flags,message", [
+    (2, "serial", [], "the serial trainer is one process, but this job has 2 ranks"),
+    (2, "data_parallel", ["--lr", "nan"], "--lr must be positive and finite, got nan"),
+    (2, "pipeline", ["--seed", "-1"], "--seed must be 0 or more, got -1"),
+    (4, "hybrid", ["--bucket-mb", "nan"], "--bucket-mb must be positive, got nan"),
+    (2, "tensor_parallel", ["--model", "gpt", "--n-layers", "0"], "--n-layers and --seq-len"),
+])
+def test_new_refusals_end_every_rank_under_mpirun(ranks, scheme, flags, message):
+    assert_refused(ranks, scheme, flags, message)
