@@ -130,7 +130,7 @@ def optimizers_of(trainer):
 # ----------------------------------------------------------------------------- writing
 def model_config(a):
     """What must match for a checkpoint to continue this run exactly."""
-    shape = {"sizes": a.sizes} if a.model == "mlp" else \
+    shape = {"sizes": a.sizes, "data": a.data, "samples": a.samples} if a.model == "mlp" else \
         {k: getattr(a, k) for k in ("d_model", "n_heads", "n_layers", "seq_len")}
     return dict(model=a.model, **shape, dtype=a.dtype, optim=a.optim, seed=a.seed,
                 batch_size=a.batch_size)

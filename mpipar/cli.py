@@ -57,7 +57,12 @@ def common_flags(ap, scheme):
     if scheme != "serial":
         g.add_argument("--explain", action="store_true",
                        help="narrate the first step: each seed step and each MPI call, every rank")
-    m = ap.add_argument_group("model sizes")
+    m = ap.add_argument_group("model sizes and data")
+    m.add_argument("--data", choices=["digits", "synthetic"], default="digits",
+                   help="the MLP's data: the 8x8 digits (64 features, 10 classes), or synthetic "
+                        "rows of any width, classes from a fixed random teacher (default digits)")
+    m.add_argument("--samples", type=int, default=4096,
+                   help="rows of the synthetic data set (default 4096)")
     m.add_argument("--sizes", type=lambda s: [int(v) for v in s.split(",")],
                    default=[64, 128, 64, 10], help="MLP widths (default 64,128,64,10)")
     m.add_argument("--d-model", type=int, default=64, help="GPT width (default 64)")
@@ -196,8 +201,16 @@ FLAG_RULES = [
     (ALL, lambda a: a.log_every < 0, "--log-every must be 0 (never) or more, got {a.log_every}"),
     (ALL, lambda a: a.model == "mlp" and min(a.sizes) < 1,
      "every --sizes entry must be positive, got {a.sizes}"),
-    (ALL, lambda a: a.model == "mlp" and (a.sizes[0] != 64 or a.sizes[-1] != 10),
-     "--sizes must start with 64 (pixels) and end with 10 (classes), got {a.sizes}"),
+    (ALL, lambda a: a.model == "mlp" and a.data == "digits" and (a.sizes[0] != 64
+                                                                  or a.sizes[-1] != 10),
+     "--sizes must start with 64 (pixels) and end with 10 (classes) for the digits, got "
+     "{a.sizes} (--data synthetic takes any widths)"),
+    (ALL, lambda a: a.model == "mlp" and a.data == "synthetic" and (a.samples < 10
+                                                                    or a.sizes[-1] < 2),
+     "--data synthetic needs --samples of at least 10 and 2 classes or more (the last --sizes "
+     "entry), got --samples {a.samples}, --sizes {a.sizes}"),
+    (ALL, lambda a: a.model != "mlp" and a.data != "digits",
+     "--data {a.data} is for the MLP: the GPT trains on its text"),
     (ALL, lambda a: a.model == "gpt" and min(a.d_model, a.n_heads, a.n_layers, a.seq_len) < 1,
      "--d-model, --n-heads, --n-layers and --seq-len must be positive, got {a.d_model}, "
      "{a.n_heads}, {a.n_layers}, {a.seq_len}"),
@@ -254,8 +267,8 @@ FLAG_RULES = [
 # its own message (a sentence), no problem is None.
 MODEL_RULES = [
     (ALL, lambda a, task: a.model == "mlp" and a.batch_size > len(task.data.y_train) and (
-        f"--batch-size {a.batch_size} is more than the {len(task.data.y_train)} training "
-        "images of the digits: a batch would repeat images")),
+        f"--batch-size {a.batch_size} is more than the {len(task.data.y_train)} training rows "
+        f"of the {a.data} data: a batch would repeat rows")),
     (TP + HY, lambda a, task: tp_size_problem(a, a.tp, task.data.vocab if a.model == "gpt"
                                                else None)),
     (PP + HY, lambda a, task: a.partition and _bad_partition(a, a.stages * a.chunks, task)),

@@ -4,7 +4,9 @@
   which ship inside the scikit-learn package.
 - text: English prose from the Python documentation's topic pages (``pydoc_data.topics``,
   part of every CPython install), as characters, for the character-level GPT.
-- synthetic: random data of any shape, for benchmarks.
+- synthetic classes (:class:`Synthetic`): rows of any width labelled by a fixed random teacher,
+  so that an MLP of any size (``--data synthetic --sizes 784,...``) can be trained and compared.
+- synthetic: random arrays of any shape, for benchmarks (:func:`synthetic`).
 
 Every rank calls ``batch(step)`` and gets the same global batch; each scheme then decides
 which part of it a rank uses. That is what makes a parallel run comparable to the serial one.
@@ -17,17 +19,11 @@ def _rng(seed, step, salt):
     return np.random.default_rng([seed, step, salt])
 
 
-class Digits:
-    """Images as float rows in [0, 1], labels 0-9; a fixed 80/20 train/test split."""
+class Rows:
+    """A classification data set held as rows: a fixed 80/20 train/test split, and batches
+    drawn without replacement from (seed, step) alone."""
 
-    n_in, n_out = 64, 10
-
-    def __init__(self, seed=0):
-        from sklearn.datasets import load_digits
-
-        d = load_digits()
-        x = d.data.astype(np.float64) / 16.0  # pixel values are 0..16
-        y = d.target.astype(np.int64)
+    def split(self, x, y, seed):
         order = np.random.default_rng(12345).permutation(len(y))  # one split for every seed
         n_test = len(y) // 5
         self.x_test, self.y_test = x[order[:n_test]], y[order[:n_test]]
@@ -37,7 +33,38 @@ class Digits:
     def batch(self, step, batch_size):
         """The global batch of a step: batch_size training rows drawn without replacement."""
         idx = _rng(self.seed, step, 1).choice(len(self.y_train), batch_size, replace=False)
-        return self.x_train[idx], self.y_train[idx]  # (B, 64), (B,)
+        return self.x_train[idx], self.y_train[idx]  # (B, n_in), (B,)
+
+
+class Synthetic(Rows):
+    """n_samples rows of n_in features that lie near a random 16-dimensional subspace, each
+    labelled by the largest of n_out scores a fixed random teacher gives its 16 coordinates:
+    learnable from a few thousand rows at any width, and the same data for every scheme and
+    run of the same shape (its values depend on the shape alone, not on --seed)."""
+
+    def __init__(self, n_in, n_out, n_samples=4096, seed=0):
+        rng = np.random.default_rng([7, n_in, n_out, n_samples])
+        d = min(n_in, 16)
+        z = rng.standard_normal((n_samples, d))  # (N, d) the rows' hidden coordinates
+        x = z @ rng.standard_normal((d, n_in)) / np.sqrt(d) \
+            + 0.1 * rng.standard_normal((n_samples, n_in))  # (N, n_in)
+        scores = z @ rng.standard_normal((d, n_out))  # (N, n_out) the teacher's
+        y = np.argmax(scores + 0.3 * rng.standard_normal((n_samples, n_out)), axis=1)
+        self.n_in, self.n_out = n_in, n_out
+        self.split(x, y.astype(np.int64), seed)
+
+
+class Digits(Rows):
+    """Images as float rows in [0, 1], labels 0-9."""
+
+    n_in, n_out = 64, 10
+
+    def __init__(self, seed=0):
+        from sklearn.datasets import load_digits
+
+        d = load_digits()
+        x = d.data.astype(np.float64) / 16.0  # pixel values are 0..16
+        self.split(x, d.target.astype(np.int64), seed)
 
 
 class Text:

@@ -29,6 +29,8 @@ class Task:
         self.kind = args.model
         if data_set is not None:  # the same data, already loaded (it depends on model and seed)
             self.data = data_set
+        elif self.kind == "mlp" and args.data == "synthetic":
+            self.data = data.Synthetic(args.sizes[0], args.sizes[-1], args.samples, args.seed)
         elif self.kind == "mlp":
             self.data = data.Digits(args.seed)
         else:

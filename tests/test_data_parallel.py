@@ -47,3 +47,13 @@ BAD = {
 def test_bad_input_is_refused_on_every_rank(case):
     n, flags, message = BAD[case]
     assert_refused(n, "data_parallel", flags, message)
+
+
+def test_any_mlp_width_on_synthetic_data_matches_serial(mpirun, tmp_path, capsys):
+    """--data synthetic: the same rows on every rank and in the serial run, at any width."""
+    flags = ["--model", "mlp", "--data", "synthetic", "--sizes", "100,48,7", "--samples", "500",
+             "--steps", "4", "--batch-size", "13", "--dtype", "float64", "--quiet"]
+    saved = tmp_path / "dp.npz"
+    out = mpirun(3, ["-m", "mpipar.data_parallel", "--sync", "ring", *flags,
+                     "--save-params", saved], timeout=60).stdout
+    assert_matches_serial(out, flags, saved, tmp_path, capsys)

@@ -70,3 +70,11 @@ def test_the_reference_does_not_start_mpi():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=60).stdout
     assert out.strip() == "[]", out
+
+
+def test_synthetic_rows_depend_on_their_shape_and_batches_on_seed_and_step():
+    a, b = data.Synthetic(30, 5, 200, seed=0), data.Synthetic(30, 5, 200, seed=1)
+    np.testing.assert_array_equal(a.x_train, b.x_train)  # the data set: its shape alone
+    assert a.x_train.shape == (160, 30) and set(a.y_train) == set(range(5))
+    assert not np.array_equal(a.batch(0, 8)[0], b.batch(0, 8)[0])  # the batches: the seed
+    np.testing.assert_array_equal(a.batch(3, 8)[0], data.Synthetic(30, 5, 200).batch(3, 8)[0])
