@@ -164,7 +164,8 @@ class Hybrid:
             self.module, self.instructions, self.pp_comm, self.micro_rows,
             inputs=PP.micro_batches(x, m) if self.is_first_stage else None,
             targets=PP.micro_batches(y, m) if self.is_last_stage else None,
-            loss_fn=self.loss_fn, normalizer=normalizer, optimizer=self.update)
+            loss_fn=self.loss_fn, normalizer=normalizer, optimizer=self.update,
+            measure_stash=not self.peak_stash_bytes)  # the first step's is every step's
         self.peak_stash_bytes = max(self.peak_stash_bytes, result.peak_stash_bytes)
         loss = None
         if self.is_last_stage:  # each replica's loss covers its rows only: add the replicas'

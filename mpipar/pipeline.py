@@ -151,7 +151,8 @@ class Pipeline:
             self.module, self.instructions, self.comm, self.micro_rows,
             inputs=micro_batches(x, m) if self.is_first_stage else None,
             targets=micro_batches(y, m) if self.is_last_stage else None,
-            loss_fn=self.task.loss_fn, normalizer=y.size, optimizer=self.opt)
+            loss_fn=self.task.loss_fn, normalizer=y.size, optimizer=self.opt,
+            measure_stash=not self.peak_stash_bytes)  # the first step's is every step's
         self.peak_stash_bytes = max(self.peak_stash_bytes, result.peak_stash_bytes)
         return share_loss(self.comm, result.loss)
 
@@ -296,13 +297,17 @@ class StageRunner:
     HANDLERS = {Forward: forward, Backward: backward, SendAct: send_act, RecvAct: recv_act,
                 SendGrad: send_grad, RecvGrad: recv_grad, OptimizerStep: optimizer_step}
 
-    def run(self, instructions):
-        """Execute the instructions in order, tracing each one and tracking the stash."""
+    def run(self, instructions, measure_stash=True):
+        """Execute the instructions in order, each timed into the trace (the bubble and the
+        timeline are read from it); with ``measure_stash``, also find the most bytes of
+        activations the stage holds at once (a walk over its modules after every forward,
+        so the trainer measures its first step only: the schedule repeats every step)."""
+        handlers, add, now = self.HANDLERS, TRACE.add, TRACE.now
         for ins in instructions:
-            info = {} if ins.micro is None else {"micro": ins.micro}
-            with TRACE.span(ins.kind, str(ins), **info):
-                self.HANDLERS[type(ins)](self, ins.micro, ins.chunk)
-            if isinstance(ins, Forward):  # only a forward adds to the stash
+            t0 = now()
+            handlers[type(ins)](self, ins.micro, ins.chunk)
+            add(t0, now(), ins.kind, ins, micro=ins.micro)  # the instruction is its label
+            if measure_stash and isinstance(ins, Forward):  # only a forward adds to the stash
                 self.peak_stash_bytes = max(self.peak_stash_bytes,
                                             sum(ch.cached_bytes() for ch in self.chunks))
         for request in self.sends:
@@ -318,7 +323,8 @@ class StageRunner:
 
 
 def run_pipeline(module, instructions, pp_comm, micro_rows, inputs=None, targets=None,
-                 loss_fn=None, normalizer=None, optimizer=None, zero_grad=True):
+                 loss_fn=None, normalizer=None, optimizer=None, zero_grad=True,
+                 measure_stash=True):
     """One training step of one stage: zero the gradients, run the schedule's instructions.
 
     ``module``: the stage, or the list of its model chunks (interleaved).
@@ -328,14 +334,14 @@ def run_pipeline(module, instructions, pp_comm, micro_rows, inputs=None, targets
     nn.SoftmaxCrossEntropy; ``normalizer``: the target count of the whole batch.
     ``optimizer``: anything with ``step()`` (a hybrid scheme can allreduce inside it).
     Returns StepResult(loss summed over micro-batches on the last stage else None, peak bytes
-    of activations the module stashed).
+    of activations the module stashed, 0 without ``measure_stash``).
     """
     if zero_grad:
         for chunk in chunks_of(module):
             chunk.zero_grad()
     runner = StageRunner(module, pp_comm, micro_rows, inputs, targets, loss_fn, normalizer,
                          optimizer)
-    return runner.run(instructions)
+    return runner.run(instructions, measure_stash)
 
 
 def share_loss(pp_comm, loss):
