@@ -1,6 +1,7 @@
-"""python -m mpipar.bench {engine,flops,net,dp,pp,tp,hybrid,ckpt}: run one benchmark, write its CSV
-and pictures into --out DIR (default: a scratch folder; --out plots replaces the committed
-results, as make report does). Flags given beside --quick win over its shorter defaults."""
+"""python -m mpipar.bench {engine,flops,net,dp,pp,tp,hybrid,ckpt,overhead}: run one
+benchmark, write its CSV and pictures into --out DIR (default: a scratch folder; --out plots
+replaces the committed results, as make report does). Flags given beside --quick win over its
+shorter defaults."""
 
 import argparse
 import importlib
@@ -18,6 +19,7 @@ BENCHES = {
     "hybrid": "every DP x TP x PP layout of 4 ranks",
     "flops": "the FLOP rate per rank while 1, 2 or 4 ranks compute at once",
     "ckpt": "checkpoint write and read time per rank against the model's size",
+    "overhead": "the comm wrapper against raw mpi4py, the engine against bare NumPy (16-128 rows)",
 }
 
 
