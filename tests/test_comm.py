@@ -1,10 +1,18 @@
-"""comm under mpirun: results, counted bytes, refusals, and failure of one rank."""
+"""comm under mpirun: results, counted bytes, refusals, and failure of one rank: an exception,
+a hung or stopped rank (the watchdog), Ctrl-C, and bad MPIPAR_* environment values."""
 
 import os
+import re
+import select
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
+import numpy as np
 import pytest
-from conftest import MPI_SCRIPTS
+from conftest import MPI_SCRIPTS, ROOT, find_mpirun
 
 
 def test_comm_checks_on_4_ranks(mpirun):
@@ -48,3 +56,150 @@ def test_a_spinning_wait_is_caught(mpirun):
     proc = mpirun(4, [MPI_SCRIPTS / "idle_wait.py"], timeout=60, check=False,
                   env={"MPIPAR_WAIT": "spin"})
     assert proc.returncode != 0 and "burned" in proc.stderr
+
+
+# -- never fail silently: a hung rank, Ctrl-C, bad environment values (mpipar/failure.py)
+def test_the_flight_recorder_keeps_the_last_16_calls_and_clears_the_wait():
+    from mpi4py import MPI
+
+    from mpipar import comm as C
+    from mpipar.failure import FLIGHT
+
+    c = C.Comm(MPI.COMM_SELF, "self")
+    for step in range(20):
+        c.Allreduce(np.ones(2), what=f"step {step}")
+    assert len(FLIGHT.recent) == 16 and FLIGHT.waiting is None
+    _, name, op, detail, what = FLIGHT.recent[-1]
+    assert (name, op, detail, what) == ("self", "Allreduce", "all <-> all (1)", "step 19")
+
+
+def test_no_watchdog_without_a_positive_limit():
+    from mpipar import comm as C
+    from mpipar import failure
+
+    for seconds in (None, 0, -1):
+        C.start_watchdog(seconds)
+    assert "watchdog" not in failure._started
+
+
+def assert_hang_reported(proc, call, elapsed, limit=3):
+    """The job ended by the watchdog: quickly, with code 124, naming the call each waiting rank
+    was stuck in and showing its flight recorder."""
+    assert proc.returncode == 124, (proc.returncode, proc.stderr)
+    assert elapsed < 15, f"the hung job took {elapsed:.1f} s to end"
+    err = proc.stderr
+    assert f"watchdog: waited {limit}." in err and call in err, err
+    assert re.search(r"its last \d+ communication calls", err), err
+    assert "Bcast on world: root 0 -> all  (the weights)" in err, err
+    assert "unreachable" not in proc.stdout and "Traceback" not in err
+
+
+def leftovers(stdout):
+    """The job's processes still alive (a zombie is dead: it only waits to be reaped)."""
+    alive = []
+    for pid in map(int, re.findall(r"pid (\d+)", stdout)):
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if state not in "ZX":
+            alive.append((pid, state))
+    return alive
+
+
+@pytest.mark.parametrize("n,wait", [(4, "sleep"), (2, "spin")])
+def test_a_hung_rank_ends_the_job_and_the_others_say_what_they_waited_for(mpirun, n, wait):
+    """Rank 1 never calls MPI again; the others wait in an Allreduce (sleeping between polls,
+    or blocked inside MPI's own Wait) until their watchdogs abort the job after 3 s."""
+    t0 = time.time()
+    proc = mpirun(n, [MPI_SCRIPTS / "hang.py", "1", "sleep", "3"], timeout=60, check=False,
+                  env={"MPIPAR_WAIT": wait})
+    call = f"Allreduce on world: all <-> all ({n})  (gradients of step 3)"
+    assert_hang_reported(proc, call, time.time() - t0)
+    assert "[rank 1] watchdog" not in proc.stderr  # the hung rank waits for nothing
+
+
+def test_a_stopped_rank_ends_the_job_and_the_launcher_kills_it_too(mpirun):
+    """Rank 1 stops itself (SIGSTOP, as a debugger or Ctrl-Z would): the others' watchdogs end
+    the job, and MPICH's launcher kills the stopped process too (SIGKILL works on it)."""
+    t0 = time.time()
+    proc = mpirun(4, [MPI_SCRIPTS / "hang.py", "1", "stop", "3"], timeout=60, check=False)
+    assert_hang_reported(proc, "Allreduce on world", time.time() - t0)
+    time.sleep(0.5)
+    left = leftovers(proc.stdout)
+    for pid, _ in left:  # never leave a stopped process behind, even when the test fails
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes of the job still alive (pid, state): {left}"
+
+
+def test_the_watchdog_watches_pickled_calls_too(mpirun):
+    t0 = time.time()
+    proc = mpirun(4, [MPI_SCRIPTS / "hang.py", "1", "sleep-pickled", "3"], timeout=60,
+                  check=False)
+    assert_hang_reported(proc, "bcast on world: root 1 -> all (pickled)  (the step number)",
+                         time.time() - t0)
+
+
+def test_the_watchdog_times_one_call_not_the_run(mpirun):
+    """A slow rank keeps the others waiting 0.8 s per call, 6 s in all, under a 2 s limit:
+    no call waits 2 s, so the job finishes."""
+    out = mpirun(4, [MPI_SCRIPTS / "hang.py", "1", "slow", "2"], timeout=60)
+    assert out.stdout.count("done") == 4 and "watchdog" not in out.stderr
+
+
+def start_mpirun(n, args, env=None):
+    """``mpirun -n n python ARGS`` started, not waited for (bytes output, as in conftest)."""
+    cmd = [find_mpirun(), "-n", str(n), sys.executable, *map(str, args)]
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+                    PYTHONPATH=str(ROOT), **(env or {}))
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=full_env,
+                            cwd=ROOT)
+
+
+def wait_for(proc, text, count, timeout=60):
+    """Read proc's stdout until ``text`` has appeared ``count`` times; return what was read."""
+    seen, deadline = b"", time.time() + timeout
+    while seen.count(text.encode()) < count:
+        if time.time() > deadline or proc.poll() is not None:
+            proc.kill()
+            pytest.fail(f"never saw {text!r} {count} times:\n{seen.decode()}\n"
+                        f"{proc.stderr.read().decode()}")
+        if select.select([proc.stdout], [], [], 0.5)[0]:
+            seen += os.read(proc.stdout.fileno(), 65536)
+    return seen
+
+
+@pytest.mark.parametrize("where,n,wait", [("compute", 4, ""), ("mpi", 2, "spin"),
+                                          ("mpi", 4, "sleep")])
+def test_ctrl_c_prints_one_line_and_ends_the_job_with_130(where, n, wait):
+    """Ctrl-C to mpirun, which forwards SIGINT to every rank: one line, no traceback per rank.
+    ``mpi``: rank 0 is blocked in an Allreduce; with the "spin" wait it is inside MPI's own
+    Wait, where Python never raises KeyboardInterrupt, and comm's interrupt thread ends it."""
+    proc = start_mpirun(n, [MPI_SCRIPTS / "interrupt.py", where],
+                        env={"MPIPAR_WAIT": wait} if wait else {})
+    seen = wait_for(proc, "ready", n)
+    time.sleep(0.3)  # let rank 0 enter its Allreduce
+    t0 = time.time()
+    proc.send_signal(signal.SIGINT)
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("deadlock? Ctrl-C did not end the job in 30 s")
+    text = (seen + out + err).decode()
+    assert proc.returncode == 130, (proc.returncode, text)
+    assert text.count("interrupted (Ctrl-C): stopping every rank") == 1, text
+    assert "Traceback" not in text and "BAD TERMINATION" not in text, text
+    assert time.time() - t0 < 2.5, f"Ctrl-C took {time.time() - t0:.1f} s to end the job"
+
+
+@pytest.mark.parametrize("name,value,expected", [("MPIPAR_WAIT", "foo", "spin or sleep"),
+                                                 ("MPIPAR_SSEND", "yes", "0 or 1")])
+def test_bad_environment_values_are_refused(mpirun, name, value, expected):
+    t0 = time.time()
+    proc = mpirun(2, ["-m", "mpipar.data_parallel", "--steps", "1", "--quiet"], timeout=60,
+                  check=False, env={name: value})
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    message = f"error: {name}='{value}': expected {expected}, or unset"
+    assert proc.stderr.count(message) == 1 and proc.stderr.count("error:") == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and time.time() - t0 < 15

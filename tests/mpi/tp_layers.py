@@ -168,7 +168,7 @@ compare_grads(dense, par, "ParallelGPTHead")
 
 # -- refusals name the number and what would work (pure: same answer on every rank)
 def problem(argv, t, vocab=None):
-    return tp_size_problem(parse_args("serial", argv), t, vocab)
+    return tp_size_problem(parse_args("serial", argv, n_ranks=1), t, vocab)
 
 
 msg = problem(["--model", "gpt", "--d-model", "12", "--n-heads", "6"], 4, 94)
