@@ -93,6 +93,21 @@ def zero_slots(zopt):
     return out
 
 
+def flat_shard_slots(trainer, write_values):
+    """ZeRO-2 and ZeRO-3: :func:`zero_slots` of each of the trainer's flat buffers (a bucket, a
+    layer: ``trainer.groups``), all under its one optimizer. ``write_values``: this rank also
+    saves its shard's parameter values (ZeRO-3, where no rank holds them whole)."""
+    from types import SimpleNamespace
+
+    out = []
+    for g in trainer.groups:
+        zopt = SimpleNamespace(comm=g.comm, params=g.params, shard_size=g.shard_size,
+                               shard=g.shard, opt=trainer.opt)
+        out += [s._replace(write=write_values) if s.kind == "param" else s
+                for s in zero_slots(zopt)]
+    return out
+
+
 def slots_of(trainer):
     """Every slot of this rank, for the trainer's scheme and variant."""
     kind, rank = type(trainer).__name__, MPI.COMM_WORLD.Get_rank()
@@ -102,6 +117,11 @@ def slots_of(trainer):
         return slots(trainer.params, trainer.opt, lambda p: trainer.rank == 0)
     if kind == "ZeroScheme":
         return slots(trainer.params, None, lambda p: trainer.rank == 0) + zero_slots(trainer.opt)
+    if kind == "Zero2Scheme":  # whole replicas, sharded gradients and state
+        return slots(trainer.params, None, lambda p: trainer.rank == 0) + \
+            flat_shard_slots(trainer, write_values=False)
+    if kind == "Zero3Scheme":  # the shards are the only copy of the parameters
+        return flat_shard_slots(trainer, write_values=True)
     if kind == "TensorParallel":
         t, update = trainer.comm.rank, trainer.updater
         writes = lambda p: hasattr(p, "full_shape") or t == 0  # noqa: E731

@@ -9,12 +9,12 @@ rank 0) and exit code 2 on every rank (:func:`mpipar.comm.refuse`), never a trac
 
 import argparse
 import math
-import os
 
 from mpi4py import MPI
 
 from mpipar import backend as B
 from mpipar import comm, serial
+from mpipar.plan import activation_bytes, memory_bytes
 from mpipar.schedules import CHOICES, SCHEDULES
 
 SCHEMES = ("serial", "data_parallel", "tensor_parallel", "pipeline", "hybrid")
@@ -42,6 +42,9 @@ def common_flags(ap, scheme):
                    help="write the trained parameters under their canonical names")
     g.add_argument("--log-every", type=int, default=0, help="print the loss every N steps")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
+    g.add_argument("--recompute", action="store_true",
+                   help="keep only each layer's (each stage's) input and run its forward again "
+                        "in the backward: less memory, one more forward")
     c = ap.add_argument_group("checkpoints and failures")
     c.add_argument("--checkpoint", metavar="DIR",
                    help="write a checkpoint into DIR at the end (and every --checkpoint-every)")
@@ -96,8 +99,10 @@ def scheme_flags(ap, scheme):
                        help="master: the seed's Reduce + Bcast through rank 0 (default); "
                             "allreduce: MPI Allreduce; ring: a ring allreduce from Sendrecv")
         bucket_flags(g)
-        g.add_argument("--zero", type=int, default=0, choices=[0, 1],
-                       help="1: shard the optimizer state over the ranks (ZeRO stage 1)")
+        g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
+                       help="shard over the ranks (ZeRO): 1 the optimizer state, 2 also the "
+                            "gradients (in --bucket-mb buckets, --overlap allowed), 3 also the "
+                            "parameters, gathered layer by layer (fully sharded, as FSDP)")
         g.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps")
     elif scheme == "tensor_parallel":
         ap.add_argument("--update", choices=["local", "master"], default="local",
@@ -220,6 +225,9 @@ FLAG_RULES = [
     (ALL, lambda a: a.checkpoint_every < 0 or (a.checkpoint_every and not a.checkpoint),
      "--checkpoint-every {a.checkpoint_every} needs --checkpoint DIR and a count of 0 or more"),
     (ALL, lambda a: a.keep < 1, "--keep must be at least 1, got {a.keep}"),
+    (DP, lambda a: a.recompute,
+     "--recompute is for the serial, tensor-parallel, pipeline and hybrid trainers (a "
+     "data-parallel replica can hold less with --micro-batches or --zero 3)"),
     (ALL, lambda a: not 0 <= a.timeout < math.inf,
      "--timeout must be 0 (never) or a positive number of seconds, got {a.timeout}"),
     (ALL, lambda a: a.model == "gpt" and a.d_model % a.n_heads,
@@ -234,11 +242,15 @@ FLAG_RULES = [
      "{a.micro_batches} micro-batch(es): every {a.one_replica} needs at least one row per "
      "micro-batch (use --batch-size >= {a.rows_needed}, or fewer {a.replica} or micro-batches)"),
     (DP, lambda a: a.zero and a.sync == "master",
-     "--zero 1 shards the optimizer over every rank, but with --sync master only rank 0 "
-     "updates: use --sync allreduce --zero 1"),
-    (DP, lambda a: a.zero and (a.bucket_mb is not None or a.overlap or a.sync == "ring"),
-     "--zero 1 uses one Reduce_scatter and one Allgather of the whole flat buffer: use it "
-     "with --sync allreduce and without --bucket-mb/--overlap"),
+     "--zero {a.zero} shards the optimizer over every rank, but with --sync master only rank 0 "
+     "updates: use --sync allreduce --zero {a.zero}"),
+    (DP, lambda a: a.zero and a.sync == "ring",
+     "--zero {a.zero} reduce-scatters and allgathers with MPI's collectives, not the "
+     "hand-written ring: use --sync allreduce --zero {a.zero}"),
+    (DP, lambda a: a.zero in (1, 3) and (a.bucket_mb is not None or a.overlap),
+     "--zero {a.zero} takes no --bucket-mb/--overlap: ZeRO-1 moves the whole flat buffer in one "
+     "Reduce_scatter and one Allgather, ZeRO-3 each layer's as forward and backward reach it; "
+     "buckets, overlapped or not, are ZeRO-2's: use --zero 2"),
     (DP, lambda a: a.overlap and a.sync != "allreduce",
      "--overlap needs the non-blocking Iallreduce of --sync allreduce (got --sync {a.sync})"),
     (DP, lambda a: a.bucket_mb is not None and (not 0 < a.bucket_mb < math.inf
@@ -330,25 +342,6 @@ def complete(a, scheme, n):
     a.replica = a.one_replica + "s"  # the words of the batch refusal
     a.rows_needed = (a.dp or 1) * a.micro_batches
     return a
-
-
-def activation_bytes(a):
-    """About how many bytes of activations one step keeps for its backward: for the GPT,
-    s b h (34 + 5 a s / h) per block (Korthikanti et al. 2022, eq. 1, counted at 2 bytes a
-    value, scaled to ours) and the logits; for the MLP, a few copies of every layer's output."""
-    w = 8 if a.dtype == "float64" else 4
-    if a.model == "mlp":
-        need = 4 * a.batch_size * sum(a.sizes) * w
-    else:
-        b, s, h = a.batch_size, a.seq_len, a.d_model
-        need = a.n_layers * s * b * h * (34 + 5 * a.n_heads * s / h) * w / 2 + 3 * b * s * 128 * w
-    a.need_gib, a.have_gib = need / 2**30, memory_bytes() / 2**30
-    return need
-
-
-def memory_bytes():
-    """This machine's memory."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def check_model(scheme, a, task):

@@ -58,9 +58,11 @@ Run:
     mpirun -n 4 python -m mpipar.data_parallel --sync allreduce --bucket-mb 0.05 --overlap
     mpirun -n 4 python -m mpipar.data_parallel --sync allreduce --zero 1 --optim adam
 
-Left out on purpose: ZeRO stages 2 and 3 (sharded gradients and parameters), gradient
-compression, mixed precision, bucketed ZeRO, an overlapped ring (the hand-written ring is
-blocking: overlapping it needs a communication thread), and asynchronous (stale) updates.
+ZeRO stages 2 and 3 (sharded gradients, then parameters too) are :mod:`mpipar.zero`'s.
+
+Left out on purpose: gradient compression, mixed precision, bucketed ZeRO-1, an overlapped
+ring (the hand-written ring is blocking: overlapping it needs a communication thread), and
+asynchronous (stale) updates.
 """
 
 import math

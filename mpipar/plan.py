@@ -1,5 +1,6 @@
 """Pure planning: per-layer forward FLOPs and output shapes, the balanced partition into
-stages, stage bounds.
+stages, stage bounds, and about how much activation memory a step needs (to refuse a batch
+that cannot fit before any rank starts).
 
 The layers in :mod:`mpipar.nn` know how to run forward and backward and nothing else; what a
 layer costs is read here from its parameters' shapes, one rule per layer type. The pipeline
@@ -16,6 +17,7 @@ Shapes: B batch, T sequence length, C model width, V vocabulary.
 """
 
 import math
+import os
 
 import numpy as np
 
@@ -125,3 +127,22 @@ def plan_stages(task, n_stages, n_micro, partition_arg=None):
     if partition_arg:
         return [int(v) for v in partition_arg.split(",")], flops
     return partition(flops, n_stages), flops
+
+
+def activation_bytes(a):
+    """About how many bytes of activations one step keeps for its backward: for the GPT,
+    s b h (34 + 5 a s / h) per block (Korthikanti et al. 2022, eq. 1, counted at 2 bytes a
+    value, scaled to ours) and the logits; for the MLP, a few copies of every layer's output."""
+    w = 8 if a.dtype == "float64" else 4
+    if a.model == "mlp":
+        need = 4 * a.batch_size * sum(a.sizes) * w
+    else:
+        b, s, h = a.batch_size, a.seq_len, a.d_model
+        need = a.n_layers * s * b * h * (34 + 5 * a.n_heads * s / h) * w / 2 + 3 * b * s * 128 * w
+    a.need_gib, a.have_gib = need / 2**30, memory_bytes() / 2**30
+    return need
+
+
+def memory_bytes():
+    """This machine's memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -28,7 +28,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpipar import backend as B
-from mpipar import checkpoint, comm, serial
+from mpipar import checkpoint, comm, recompute, serial
 from mpipar.cli import SCHEMES, check_model, layer_names, parse_args
 from mpipar.grid import Grid
 from mpipar.schedules import bubble_formula, format_schedule, peak_in_flight
@@ -72,7 +72,7 @@ class DataParallelReport(Report):
     def header(self):
         a = self.a
         mode = a.sync + (f", buckets of {a.bucket_mb:g} MiB" if a.bucket_mb else "")
-        mode += (", overlap" if a.overlap else "") + (", ZeRO-1" if a.zero else "")
+        mode += (", overlap" if a.overlap else "") + (f", ZeRO-{a.zero}" if a.zero else "")
         return (f"data_parallel: {a.model} with {self.n_params:,} parameters on {a.dp} ranks "
                 f"(sync {mode}), {self.training()} (rows per rank "
                 f"{comm.split_rows(a.batch_size, a.dp)}, {a.micro_batches} micro-batch(es)), "
@@ -240,6 +240,9 @@ def trainer_class(scheme, a):
         return serial.Serial
     if scheme == "data_parallel":
         from mpipar import data_parallel as D
+        if a.sync != "master" and a.zero >= 2:  # ZeRO-2 and -3 live in their own module
+            from mpipar import zero as Z
+            return Z.Zero2Scheme if a.zero == 2 else Z.Zero3Scheme
         return D.MasterScheme if a.sync == "master" else D.ZeroScheme if a.zero \
             else D.AllreduceScheme
     if scheme == "tensor_parallel":
@@ -329,7 +332,7 @@ def main(scheme, argv=None):
         comm.log(format_schedule(a.schedule, a.stages, a.micro_batches, a.chunks))
         return
     check_paths(a)
-    getattr(comm, "start_watchdog", lambda seconds: None)(a.timeout)
+    comm.start_watchdog(a.timeout)  # a rank that waits longer in one call ends the job
     task = serial.Task(a)
     check_model(scheme, a, task)
     comm.EXPLAIN = a.explain
@@ -345,6 +348,8 @@ def main(scheme, argv=None):
                  f"pp*{grid.tp_size} + tp\n{text}")
         return
     trainer = trainer_class(scheme, a)(task, grid, a)
+    if a.recompute:
+        recompute.apply(trainer)
     start, loss = checkpoint.load(a.resume, trainer, a) if a.resume else (0, None)
     report = REPORTS[scheme](a, task, trainer, grid, start)
     comm.log(report.header() + (f"\nresumed from {a.resume} after step {start}" if a.resume
