@@ -425,10 +425,7 @@ class SoftmaxCrossEntropy(Module):
         z = _rows(logits)  # (N, V)
         t = targets.reshape(-1)  # (N,)
         normalizer = z.shape[0] if normalizer is None else normalizer
-        lo, hi = (int(t.min()), int(t.max())) if t.size else (0, 0)  # -1 would pick the last class
-        if lo < 0 or hi >= z.shape[1]:
-            raise ValueError(f"target {lo if lo < 0 else hi} is out of range: valid targets are "
-                             f"0..{z.shape[1] - 1} (the logits have {z.shape[1]} classes)")
+        check_targets(t, z.shape[1])
         z = z - z.max(axis=1, keepdims=True)
         logsumexp = B.xp.log(B.xp.exp(z).sum(axis=1))
         rows = B.xp.arange(z.shape[0])
@@ -456,6 +453,12 @@ class MSE(Module):
     def backward(self, dout=1.0, micro_id=0):
         diff, normalizer = self.saved(micro_id)
         return diff * (2.0 * dout / normalizer)
+
+
+def check_targets(t, n):
+    """Refuse a target outside 0..n-1: z[rows, -1] would silently pick the last class."""
+    if bad := [v for v in (int(t.min()), int(t.max())) if not 0 <= v < n] if t.size else []:
+        raise ValueError(f"target {bad[0]} is out of range: valid targets are 0..{n - 1}")
 
 
 def accuracy(logits, targets):

@@ -336,12 +336,13 @@ class VocabParallelCrossEntropy(nn.Module):
 
     def __init__(self, vocab, tp_comm):
         super().__init__()
-        self.tp_comm = tp_comm
+        self.tp_comm, self.vocab = tp_comm, vocab
         (self.lo, self.hi), = blocks(vocab, tp_comm.size)[tp_comm.rank]
 
     def forward(self, logits, targets, normalizer=None, micro_id=0):
         z = nn._rows(logits)  # (N, V/t)
         t = targets.reshape(-1)  # (N,)
+        nn.check_targets(t, self.vocab)  # every rank checks the same targets
         normalizer = t.shape[0] if normalizer is None else normalizer
         zmax = allreduce(self.tp_comm, z.max(axis=1), MPI.MAX,
                          what="cross-entropy: MAX of the logits")  # (N,) the global max

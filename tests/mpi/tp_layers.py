@@ -183,6 +183,18 @@ msg = problem(["--model", "gpt", "--d-model", "16", "--n-heads", "4"], 4, 3)
 assert "vocabulary has 3" in msg, msg
 assert problem(["--model", "gpt", "--d-model", "16", "--n-heads", "4"], 4, 94) is None
 
+# -- a target outside the vocabulary is refused on every rank, before any Allreduce
+(lo, hi), = tp.blocks(94, P)[rank]
+for bad in (-1, 94):
+    targets = np.zeros((2, 3), dtype=np.int64)
+    targets[1, 2] = bad
+    try:
+        tp.VocabParallelCrossEntropy(94, tp_comm).forward(np.zeros((2, 3, hi - lo)), targets)
+    except ValueError as err:
+        assert f"target {bad} is out of range" in str(err), err
+    else:
+        raise AssertionError(f"target {bad} accepted by the vocabulary-parallel loss")
+
 tp_comm.Barrier()
 if rank == 0:
     print(f"tp layer checks passed on {P} ranks", flush=True)
