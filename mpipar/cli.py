@@ -16,6 +16,7 @@ from mpipar import backend as B
 from mpipar import comm, serial
 from mpipar.plan import activation_bytes, memory_bytes
 from mpipar.schedules import CHOICES, SCHEDULES
+from mpipar.tp_models import tp_size_problem
 
 SCHEMES = ("serial", "data_parallel", "tensor_parallel", "pipeline", "hybrid")
 DEFAULT_TIMELINE = "pipeline-timeline.png"
@@ -42,6 +43,8 @@ def common_flags(ap, scheme):
                    help="write the trained parameters under their canonical names")
     g.add_argument("--log-every", type=int, default=0, help="print the loss every N steps")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
+    g.add_argument("--clip-grad", type=float, metavar="X",
+                   help="scale the gradients to a global norm of at most X before each update")
     g.add_argument("--recompute", action="store_true",
                    help="keep only each layer's (each stage's) input and run its forward again "
                         "in the backward: less memory, one more forward")
@@ -146,35 +149,6 @@ PROGS = {"serial": ("python -m mpipar.serial", "Train the reference model on one
 
 
 # ----------------------------------------------------------------------------- refusals
-def _divisors(n):
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def tp_size_problem(a, t, vocab=None):
-    """Why this model cannot be split over t tensor-parallel ranks (one sentence), or None.
-    The vocabulary is split into near-equal blocks, so it only needs at least t entries."""
-    def not_divisible(what, n):
-        near = sorted({max(t, n - n % t), n - n % t + t})
-        return (f"{what} {n} is not divisible by the {t} tensor-parallel ranks; rank counts "
-                f"that divide it: {', '.join(map(str, _divisors(n)))} (or make it "
-                f"{' or '.join(map(str, near))} for {t} ranks)")
-
-    if a.model == "gpt":
-        if a.d_model % t:
-            return not_divisible("the hidden size --d-model", a.d_model)
-        if a.n_heads % t:
-            return not_divisible("the head count --n-heads", a.n_heads)
-        if vocab is not None and vocab < t:
-            return (f"the vocabulary has {vocab} entries, fewer than the {t} tensor-parallel "
-                    f"ranks; use at most {vocab} ranks")
-        return None
-    for i in range(0, len(a.sizes) - 2, 2):  # column-parallel layers split their output width
-        if a.sizes[i + 1] % t:
-            return not_divisible(f"--sizes entry {i + 1} (the output width of fc{i}, split by "
-                                 f"columns)", a.sizes[i + 1])
-    return None
-
-
 def layer_names(task):
     return [name for name, _ in task.build_model().layers]
 
@@ -225,6 +199,8 @@ FLAG_RULES = [
     (ALL, lambda a: a.checkpoint_every < 0 or (a.checkpoint_every and not a.checkpoint),
      "--checkpoint-every {a.checkpoint_every} needs --checkpoint DIR and a count of 0 or more"),
     (ALL, lambda a: a.keep < 1, "--keep must be at least 1, got {a.keep}"),
+    (ALL, lambda a: a.clip_grad is not None and not 0 < a.clip_grad < math.inf,
+     "--clip-grad must be a positive finite norm, got {a.clip_grad}"),
     (DP, lambda a: a.recompute,
      "--recompute is for the serial, tensor-parallel, pipeline and hybrid trainers (a "
      "data-parallel replica can hold less with --micro-batches or --zero 3)"),

@@ -28,7 +28,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpipar import backend as B
-from mpipar import checkpoint, comm, recompute, serial
+from mpipar import checkpoint, clip, comm, recompute, serial
 from mpipar.cli import SCHEMES, check_model, layer_names, parse_args
 from mpipar.grid import Grid
 from mpipar.schedules import bubble_formula, format_schedule, peak_in_flight
@@ -273,6 +273,7 @@ def train(trainer, a, desc, after_step=None, start=0, loss=None):
     rank = MPI.COMM_WORLD.Get_rank()
     bar = progress(a.steps, desc, a.quiet or rank != 0, start)
     saved = start if a.resume else None  # the step whose checkpoint exists already
+    clipped = 0  # steps whose gradient norm was above --clip-grad (on world rank 0)
     for step in bar:
         comm.EXPLAIN = a.explain and step == start
         TRACE.clear()
@@ -280,6 +281,7 @@ def train(trainer, a, desc, after_step=None, start=0, loss=None):
         if not math.isfinite(loss):
             comm.refuse(f"the loss is {loss} after step {step + 1}: training diverged (try a "
                         "smaller --lr); nothing was saved", code=3)
+        clipped += bool(a.clip_grad) and getattr(trainer, "grad_norm", 0.0) > a.clip_grad
         if after_step is not None:
             after_step()
         if rank == 0:
@@ -290,6 +292,9 @@ def train(trainer, a, desc, after_step=None, start=0, loss=None):
             checkpoint.save(a.checkpoint, trainer, a, step + 1, loss)
             saved = step + 1
     comm.EXPLAIN = False
+    if a.clip_grad:
+        comm.log(f"gradient norm above --clip-grad {a.clip_grad:g}, so scaled down, in {clipped} "
+                 f"of {a.steps - start} steps")
     if a.checkpoint and saved != a.steps:
         checkpoint.save(a.checkpoint, trainer, a, a.steps, loss)
     return loss
@@ -350,6 +355,8 @@ def main(scheme, argv=None):
     trainer = trainer_class(scheme, a)(task, grid, a)
     if a.recompute:
         recompute.apply(trainer)
+    if a.clip_grad:
+        clip.apply(trainer, a.clip_grad)
     start, loss = checkpoint.load(a.resume, trainer, a) if a.resume else (0, None)
     report = REPORTS[scheme](a, task, trainer, grid, start)
     comm.log(report.header() + (f"\nresumed from {a.resume} after step {start}" if a.resume

@@ -21,6 +21,7 @@ CASES = [  # (scheme, ranks, flags, what the message says)
      "GiB of activations in one step, more than this machine's"),
     ("serial", 1, ["--checkpoint-every", "5"], "--checkpoint-every 5 needs --checkpoint DIR"),
     ("serial", 1, ["--keep", "0"], "--keep must be at least 1, got 0"),
+    ("serial", 1, ["--clip-grad", "0"], "--clip-grad must be a positive finite norm, got 0.0"),
     ("data_parallel", 2, ["--recompute"], "--recompute is for the serial, tensor-parallel"),
     ("serial", 1, ["--timeout", "nan"], "--timeout must be 0 (never) or a positive number"),
     ("data_parallel", 2, ["--sync", "ring", "--bucket-mb", "nan"],

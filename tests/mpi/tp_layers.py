@@ -17,8 +17,9 @@ from mpipar import comm as C
 from mpipar import nn
 from mpipar import tensor_parallel as tp
 from mpipar import tp_models as tpm
-from mpipar.cli import parse_args, tp_size_problem
+from mpipar.cli import parse_args
 from mpipar.grid import Grid
+from mpipar.tp_models import tp_size_problem
 from mpipar.trace import TRACE
 
 C.install_excepthook()
