@@ -5,9 +5,15 @@ what the backward needs under the micro-batch id, because a pipeline stage holds
 micro-batches in flight; ``backward(dout, micro_id)`` pops that cache, accumulates the
 parameter gradients with ``+=`` and returns the gradient of the input.
 
-Parameters are named by where they sit in the model (``blocks.3.attn.qkv.W``) and each is
-initialised from the global seed and its own name only (:func:`init_value`), so any piece of
-the model built on any rank starts with exactly the serial model's weights.
+A layer with parameters writes its backward as two parts (:class:`SplitBackward`), which a
+zero-bubble pipeline runs apart (Qi et al. 2024, arXiv:2401.10241, Sec. 2): ``backward_input``
+(B) returns the input's gradient and keeps what the parameter gradients need under the
+micro-batch id; ``backward_weight`` (W) accumulates them. ``backward`` is B then W at once:
+the same arithmetic, so the same bits.
+
+Parameters (:mod:`mpipar.parameters`) are named by where they sit in the model
+(``blocks.3.attn.qkv.W``) and each is initialised from the global seed and its own name only,
+so any piece of the model built on any rank starts with exactly the serial model's weights.
 
 What a layer costs (FLOPs) and the shape it returns are planning questions, answered from the
 parameters' shapes in :mod:`mpipar.plan`; the layers here only compute.
@@ -15,50 +21,12 @@ parameters' shapes in :mod:`mpipar.plan`; the layers here only compute.
 Shapes: B batch, T sequence length, C model width, H heads, D = C / H head width, V vocabulary.
 """
 
-import hashlib
 import math
 
 import numpy as np
 
 from mpipar import backend as B
-
-
-# ----------------------------------------------------------------------------- parameters
-def param_rng(seed, name):
-    """A NumPy generator that depends on the global seed and the parameter's name only."""
-    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
-    return np.random.default_rng(int.from_bytes(digest[:8], "little"))
-
-
-class Parameter:
-    """A tensor to learn: ``data``, its gradient ``grad``, and how to initialise it."""
-
-    def __init__(self, *shape, init="normal", std=0.02):
-        self.shape = tuple(shape)
-        self.init = init  # "normal" (mean 0, std), "zeros" or "ones"
-        self.std = std
-        self.name = None  # set by Module.init to the canonical name
-        self.data = None
-        self.grad = None
-
-    def init_value(self, seed, name):
-        """The full initial value, as float64 on the host (shards slice it)."""
-        if self.init in ("zeros", "ones"):
-            return getattr(np, self.init)(self.shape)  # np.zeros or np.ones, float64
-        return param_rng(seed, name).normal(0.0, self.std, size=self.shape)
-
-    def set(self, host_value):
-        """Take a copy of ``host_value`` as the data (asarray would alias a C-contiguous array
-        of the right dtype, and the caller's later in-place changes would reach the model)."""
-        self.data = B.xp.array(host_value, dtype=B.dtype, order="C")  # array() always copies
-        self.grad = B.xp.zeros_like(self.data)
-
-    @property
-    def size(self):
-        return int(math.prod(self.shape))  # (np.prod of a tuple costs microseconds a call)
-
-    def __repr__(self):
-        return f"Parameter({self.name}, shape={self.shape})"
+from mpipar.parameters import Parameter
 
 
 class Module:
@@ -78,11 +46,13 @@ class Module:
     def parameters(self):
         return [p for _, p in self.named_parameters()]
 
+    def children(self):
+        return [value for value in vars(self).values() if isinstance(value, Module)]
+
     def modules(self):
         yield self
-        for value in vars(self).values():
-            if isinstance(value, Module):
-                yield from value.modules()
+        for child in self.children():
+            yield from child.modules()
 
     def init(self, seed, prefix=""):
         """Give every parameter its canonical name and its seeded initial value."""
@@ -120,6 +90,30 @@ class Module:
     def backward(self, dout, micro_id=0):
         raise NotImplementedError
 
+    def backward_input(self, dout, micro_id=0):
+        """B: a module that does not split its backward runs all of it here."""
+        return self.backward(dout, micro_id)
+
+    def backward_weight(self, micro_id=0):
+        """W: nothing left to do (no parameters, or their gradients were made in B)."""
+
+
+class SplitBackward(Module):
+    """A module whose backward is B (``backward_input``) then W (``backward_weight``). A
+    container's B runs its children's B in reverse order; its W is its children's W, in any
+    order (each touches its own parameters only). A subclass changes B or W, not ``backward``:
+    a container calls its children's B and W, never their backward (only an outermost module,
+    such as the hybrid's whole stage, may hook ``backward``; a split schedule bypasses it)."""
+
+    def backward(self, dout, micro_id=0):
+        dx = self.backward_input(dout, micro_id)
+        self.backward_weight(micro_id)
+        return dx
+
+    def backward_weight(self, micro_id=0):
+        for child in self.children():
+            child.backward_weight(micro_id)
+
 
 def _rows(a):
     """View a (..., n) array as (rows, n) for a matrix product."""
@@ -127,7 +121,7 @@ def _rows(a):
 
 
 # ----------------------------------------------------------------------------- layers
-class Linear(Module):
+class Linear(SplitBackward):
     """y = x W + b, with W of shape (d_in, d_out).
 
     ``input_grad=False`` skips dx for a layer fed straight from the data (it would be thrown
@@ -149,14 +143,16 @@ class Linear(Module):
             y += self.b.data
         return y
 
-    def backward(self, dout, micro_id=0):
+    def backward_input(self, dout, micro_id=0):
         (x,) = self.saved(micro_id)
+        self.save(micro_id, x, dout)  # what W needs
+        return dout @ self.W.data.T if self.input_grad else None  # (..., d_in)
+
+    def backward_weight(self, micro_id=0):
+        x, dout = self.saved(micro_id)
         self.W.grad += _rows(x).T @ _rows(dout)  # (d_in, d_out)
         if self.has_bias:
             self.b.grad += _rows(dout).sum(axis=0)
-        if not self.input_grad:
-            return None
-        return dout @ self.W.data.T  # (..., d_in)
 
 
 class ReLU(Module):
@@ -166,8 +162,7 @@ class ReLU(Module):
         return x * mask
 
     def backward(self, dout, micro_id=0):
-        (mask,) = self.saved(micro_id)
-        return dout * mask
+        return dout * self.saved(micro_id)[0]  # the mask
 
 
 class GELU(Module):
@@ -186,7 +181,7 @@ class GELU(Module):
         return dout * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * dt)
 
 
-class LayerNorm(Module):
+class LayerNorm(SplitBackward):
     """Normalise the last axis to zero mean and unit variance, then scale (g) and shift (b)."""
 
     def __init__(self, d, eps=1e-5):
@@ -203,17 +198,21 @@ class LayerNorm(Module):
         self.save(micro_id, xhat, rstd)
         return xhat * self.g.data + self.b.data
 
-    def backward(self, dout, micro_id=0):
+    def backward_input(self, dout, micro_id=0):
         xhat, rstd = self.saved(micro_id)
-        self.g.grad += _rows(dout * xhat).sum(axis=0)
-        self.b.grad += _rows(dout).sum(axis=0)
+        self.save(micro_id, xhat, dout)  # what W needs
         dxhat = dout * self.g.data
         # d/dx of (x - mean) * rstd: remove the mean of dxhat and its projection on xhat
         return rstd * (dxhat - dxhat.mean(axis=-1, keepdims=True)
                        - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True))
 
+    def backward_weight(self, micro_id=0):
+        xhat, dout = self.saved(micro_id)
+        self.g.grad += _rows(dout * xhat).sum(axis=0)
+        self.b.grad += _rows(dout).sum(axis=0)
 
-class Embedding(Module):
+
+class Embedding(SplitBackward):
     """Rows of a table: token ids (B, T) -> vectors (B, T, C)."""
 
     def __init__(self, n, d, std=0.02):
@@ -224,13 +223,17 @@ class Embedding(Module):
         self.save(micro_id, idx)
         return self.W.data[idx]  # (B, T, C)
 
-    def backward(self, dout, micro_id=0):
+    def backward_input(self, dout, micro_id=0):
         (idx,) = self.saved(micro_id)
-        B.xp.add.at(self.W.grad, idx.reshape(-1), _rows(dout))
+        self.save(micro_id, idx, dout)  # what W needs
         return None  # token ids have no gradient
 
+    def backward_weight(self, micro_id=0):
+        idx, dout = self.saved(micro_id)
+        B.xp.add.at(self.W.grad, idx.reshape(-1), _rows(dout))
 
-class CausalSelfAttention(Module):
+
+class CausalSelfAttention(SplitBackward):
     """Multi-head self-attention where position t sees positions <= t.
 
     qkv: one Linear (C -> 3C) whose columns are [q | k | v], each split into H heads of D.
@@ -286,12 +289,12 @@ class CausalSelfAttention(Module):
         y = self.attend(self.qkv.forward(x, micro_id), micro_id)
         return self.proj.forward(y, micro_id)
 
-    def backward(self, dout, micro_id=0):
-        dy = self.proj.backward(dout, micro_id)
-        return self.qkv.backward(self.attend_backward(dy, micro_id), micro_id)
+    def backward_input(self, dout, micro_id=0):
+        dy = self.proj.backward_input(dout, micro_id)
+        return self.qkv.backward_input(self.attend_backward(dy, micro_id), micro_id)
 
 
-class FeedForward(Module):
+class FeedForward(SplitBackward):
     """The transformer's MLP: Linear(C, 4C), GELU, Linear(4C, C)."""
 
     def __init__(self, d_model, d_hidden=None):
@@ -304,12 +307,12 @@ class FeedForward(Module):
     def forward(self, x, micro_id=0):
         return self.proj.forward(self.act.forward(self.fc.forward(x, micro_id), micro_id), micro_id)
 
-    def backward(self, dout, micro_id=0):
-        d = self.act.backward(self.proj.backward(dout, micro_id), micro_id)
-        return self.fc.backward(d, micro_id)
+    def backward_input(self, dout, micro_id=0):
+        d = self.act.backward_input(self.proj.backward_input(dout, micro_id), micro_id)
+        return self.fc.backward_input(d, micro_id)
 
 
-class Block(Module):
+class Block(SplitBackward):
     """Pre-LayerNorm transformer block: x + attn(ln1(x)), then x + mlp(ln2(x))."""
 
     def __init__(self, d_model, n_heads):
@@ -323,12 +326,12 @@ class Block(Module):
         x = x + self.attn.forward(self.ln1.forward(x, micro_id), micro_id)
         return x + self.mlp.forward(self.ln2.forward(x, micro_id), micro_id)
 
-    def backward(self, dout, micro_id=0):
-        dx = dout + self.ln2.backward(self.mlp.backward(dout, micro_id), micro_id)
-        return dx + self.ln1.backward(self.attn.backward(dx, micro_id), micro_id)
+    def backward_input(self, dout, micro_id=0):
+        dx = dout + self.ln2.backward_input(self.mlp.backward_input(dout, micro_id), micro_id)
+        return dx + self.ln1.backward_input(self.attn.backward_input(dx, micro_id), micro_id)
 
 
-class GPTEmbedding(Module):
+class GPTEmbedding(SplitBackward):
     """Token embedding plus learned position embedding: ids (B, T) -> (B, T, C)."""
 
     def __init__(self, vocab, d_model, seq_len):
@@ -343,13 +346,17 @@ class GPTEmbedding(Module):
                              f"seq_len={self.pos.shape[0]}")
         return self.tok.forward(idx, micro_id) + self.pos.data[:T]
 
-    def backward(self, dout, micro_id=0):
-        T = dout.shape[1]
-        self.pos.grad[:T] += dout.sum(axis=0)
-        return self.tok.backward(dout, micro_id)
+    def backward_input(self, dout, micro_id=0):
+        self.save(micro_id, dout)  # what W needs for the position table
+        return self.tok.backward_input(dout, micro_id)
+
+    def backward_weight(self, micro_id=0):
+        (dout,) = self.saved(micro_id)
+        self.pos.grad[:dout.shape[1]] += dout.sum(axis=0)  # (T, C)
+        self.tok.backward_weight(micro_id)
 
 
-class GPTHead(Module):
+class GPTHead(SplitBackward):
     """Final LayerNorm and the projection to vocabulary logits: (B, T, C) -> (B, T, V)."""
 
     def __init__(self, d_model, vocab):
@@ -360,12 +367,12 @@ class GPTHead(Module):
     def forward(self, x, micro_id=0):
         return self.out.forward(self.ln.forward(x, micro_id), micro_id)
 
-    def backward(self, dout, micro_id=0):
-        return self.ln.backward(self.out.backward(dout, micro_id), micro_id)
+    def backward_input(self, dout, micro_id=0):
+        return self.ln.backward_input(self.out.backward_input(dout, micro_id), micro_id)
 
 
 # ----------------------------------------------------------------------------- containers
-class Sequential(Module):
+class Sequential(SplitBackward):
     """Named layers run in order. ``layers`` is a list of (name, module) pairs, so a pipeline
     stage can take a slice of it and keep every parameter's canonical name."""
 
@@ -377,17 +384,20 @@ class Sequential(Module):
         for name, layer in self.layers:
             yield from layer.named_parameters(f"{prefix}{name}.")
 
-    def modules(self):
-        yield self
-        for _, layer in self.layers:
-            yield from layer.modules()
+    def children(self):
+        return [layer for _, layer in self.layers]
 
     def forward(self, x, micro_id=0):
         for _, layer in self.layers:
             x = layer.forward(x, micro_id)
         return x
 
-    def backward(self, dout, micro_id=0):
+    def backward_input(self, dout, micro_id=0):
+        for _, layer in reversed(self.layers):
+            dout = layer.backward_input(dout, micro_id)
+        return dout
+
+    def backward(self, dout, micro_id=0):  # layer by layer: each W frees what its B kept
         for _, layer in reversed(self.layers):
             dout = layer.backward(dout, micro_id)
         return dout

@@ -3,6 +3,7 @@
     mpirun -n 4 python -m mpipar.pipeline             # GPT on text, 4 stages, 1F1B, 4 micro-batches
     mpirun -n 4 python -m mpipar.pipeline --model mlp --schedule gpipe --micro-batches 8
     mpirun -n 2 python -m mpipar.pipeline --schedule interleaved --chunks 2 --micro-batches 4
+    mpirun -n 4 python -m mpipar.pipeline --schedule zb-h1 --micro-batches 8
     python -m mpipar.pipeline --print-schedule --schedule 1f1b --stages 4 --micro-batches 4
 
 The seed's steps, each under a ``PP Step N`` banner below:
@@ -21,11 +22,16 @@ The seed's steps, each under a ``PP Step N`` banner below:
    is distributed; they are gathered to rank 0 only to evaluate or save the model.
 
 Micro-batches (GPipe): the batch is cut into m micro-batches so that stages work at the same
-time; a schedule from :mod:`mpipar.schedules` (naive, gpipe, 1f1b, interleaved) is a list of
-instructions per stage, and :func:`run_pipeline` executes it. Interleaved 1F1B (``--chunks v``)
-cuts the model into p*v consecutive pieces instead; rank r holds pieces r, r+p, r+2p, ... as v
-chunks, each its own stage module, and every message is tagged with the chunk it goes to:
-bubble (p-1)/(v*m+p-1), v times as many messages; m must be a multiple of p.
+time; a schedule from :mod:`mpipar.schedules` (naive, gpipe, 1f1b, interleaved, zb-h1) is a
+list of instructions per stage, and :func:`run_pipeline` executes it. Interleaved 1F1B
+(``--chunks v``) cuts the model into p*v consecutive pieces instead; rank r holds pieces r,
+r+p, r+2p, ... as v chunks, each its own stage module, and every message is tagged with the
+chunk it goes to: bubble (p-1)/(v*m+p-1), v times as many messages; m must be a multiple of p.
+Zero bubble (``--schedule zb-h1``, Qi et al. 2024): Step 7 in two parts. B computes the input's
+gradient and sends it at once; W, the parameters' gradients, which nobody downstream waits
+for, runs later to fill the idle time (``nn.SplitBackward``): bubble (p-1)/(3m+p-1) when F, B
+and W take equal times, a third of 1F1B's, with 1F1B's messages, for min(p, m) micro-batches
+stashed on every stage (a micro-batch is held from its forward to its W).
 Every rank computes the global batch from (seed, step) itself: the first stage uses its
 inputs, the last stage its targets, so no data or targets travel between stages. The loss
 divides by the target count of the WHOLE batch, so the gradients summed over micro-batches
@@ -46,10 +52,13 @@ buffering. Each received micro-batch gets a fresh buffer, because the stage's fi
 caches its input by reference until backward.
 
 References: GPipe, Huang et al. 2019 (arXiv:1811.06965), Sec. 2.2; 1F1B / PipeDream-Flush,
-Narayanan et al. 2021 (arXiv:2104.04473), Sec. 2.2; instruction lists after shallowspeed.
+Narayanan et al. 2021 (arXiv:2104.04473), Sec. 2.2; ZB-H1, Qi et al. 2024 (arXiv:2401.10241),
+Sec. 2-3.1; instruction lists after shallowspeed.
 
-Left out on purpose: zero-bubble schedules, activation recomputation, overlapping the next
-step's forward with this step's optimizer, and a separate loss-scale for mixed precision.
+Left out on purpose: the other zero-bubble schedules (ZB-H2, which stashes more to leave no
+bubble at all; the paper's automatic schedules; ZB-V, two chunks per stage) and the paper's
+optimizer step that does not wait for a global check (its post-validation); overlapping the
+next step's forward with this step's optimizer; a separate loss-scale for mixed precision.
 """
 
 from collections import namedtuple
@@ -61,6 +70,7 @@ from mpipar import comm, nn, serial
 from mpipar.plan import plan_stages, stage_bounds
 from mpipar.schedules import (
     Backward,
+    BackwardWeight,
     Forward,
     OptimizerStep,
     RecvAct,
@@ -187,9 +197,11 @@ class StageRunner:
     """Executes one stage's instruction list for one training step.
 
     Any module with nn.Module's ``forward(x, micro_id)`` / ``backward(dout, micro_id)`` can be
-    the stage (a tensor-parallel block too); a list of such modules is the stage's model chunks
-    (interleaved 1F1B: chunk c of rank r is piece c*p + r of the model). Buffers are keyed by
-    (micro-batch id, chunk), because a stage holds several micro-batches in flight.
+    the stage (a tensor-parallel block too; a schedule with W instructions calls its
+    ``backward_input`` and ``backward_weight`` instead, the two parts of nn.SplitBackward);
+    a list of such modules is the stage's model chunks (interleaved 1F1B: chunk c of rank r
+    is piece c*p + r of the model). Buffers are keyed by (micro-batch id, chunk), because a
+    stage holds several micro-batches in flight.
     """
 
     def __init__(self, module, pp_comm, micro_rows, inputs=None, targets=None, loss_fn=None,
@@ -204,6 +216,7 @@ class StageRunner:
         self.acts_in, self.acts_out = {}, {}  # (micro id, chunk) -> received input / output
         self.grads_in, self.grads_out = {}, {}  # (micro id, chunk) -> output's grad / input's
         self.sends = []  # posted sends, completed at the end of the step
+        self.split = set()  # (micro id, chunk) whose B and W run apart: those with a W
         self.loss = 0.0
         self.peak_stash_bytes = 0
 
@@ -273,11 +286,22 @@ class StageRunner:
                                           f"{self.name(k, c)}'s gradient")
 
     def backward(self, k, c=0):
+        """The whole backward, or where the schedule has a W for it, B alone (the input's
+        gradient: what the previous stage waits for)."""
+        split = (k, c) in self.split
         comm.narrate(f"PP Step 7: stage {self.stage} runs backward on {self.name(k, c)} "
-                     "(parameter gradients accumulate with +=)")
-        dx = self.chunks[c].backward(self.output_grad(k, c), k)
+                     + ("(B: the input's gradient; W later)" if split else
+                        "(parameter gradients accumulate with +=)"))
+        chunk = self.chunks[c]
+        dx = (chunk.backward_input if split else chunk.backward)(self.output_grad(k, c), k)
         if not self.first_piece(c):
             self.grads_out[k, c] = dx
+
+    def backward_weight(self, k, c=0):
+        """W: the parameters' gradients from what B kept (they accumulate with +=)."""
+        comm.narrate(f"PP Step 7: stage {self.stage} runs W on {self.name(k, c)}: the "
+                     "parameter gradients, which no stage waits for")
+        self.chunks[c].backward_weight(k)
 
     def send_grad(self, k, c=0):
         """To the previous stage's same chunk; from stage 0 to the last stage's chunk c-1."""
@@ -294,20 +318,23 @@ class StageRunner:
             self.optimizer.step()
 
     # ---- the interpreter
-    HANDLERS = {Forward: forward, Backward: backward, SendAct: send_act, RecvAct: recv_act,
-                SendGrad: send_grad, RecvGrad: recv_grad, OptimizerStep: optimizer_step}
+    HANDLERS = {Forward: forward, Backward: backward, BackwardWeight: backward_weight,
+                SendAct: send_act, RecvAct: recv_act, SendGrad: send_grad, RecvGrad: recv_grad,
+                OptimizerStep: optimizer_step}
 
     def run(self, instructions, measure_stash=True):
         """Execute the instructions in order, each timed into the trace (the bubble and the
         timeline are read from it); with ``measure_stash``, also find the most bytes of
-        activations the stage holds at once (a walk over its modules after every forward,
-        so the trainer measures its first step only: the schedule repeats every step)."""
+        activations the stage holds at once (a walk over its modules after every forward and
+        B, which keeps the output's gradient for W; so the trainer measures its first step
+        only: the schedule repeats every step)."""
         handlers, add, now = self.HANDLERS, TRACE.add, TRACE.now
+        self.split = {(i.micro, i.chunk) for i in instructions if isinstance(i, BackwardWeight)}
         for ins in instructions:
             t0 = now()
             handlers[type(ins)](self, ins.micro, ins.chunk)
-            add(t0, now(), ins.kind, ins, micro=ins.micro)  # the instruction is its label
-            if measure_stash and isinstance(ins, Forward):  # only a forward adds to the stash
+            add(t0, now(), ins.kind, ins, micro=ins.micro, part=ins.part)  # labelled by itself
+            if measure_stash and isinstance(ins, (Forward, Backward)):  # what adds to the stash
                 self.peak_stash_bytes = max(self.peak_stash_bytes,
                                             sum(ch.cached_bytes() for ch in self.chunks))
         for request in self.sends:

@@ -20,11 +20,16 @@ simulated on its own (the idea of shallowspeed's instruction lists).
   into p*v pieces and stage r holding pieces r, r+p, ...; its instructions name their chunk
   (``F3.1``: forward of micro-batch 3 on chunk 1). Bubble (p-1)/(v*m+p-1), v times more
   messages; m must be a multiple of p. Called as ``interleaved(p, r, m, v)``.
+- ``zb-h1`` (Qi et al. 2024, arXiv:2401.10241, Sec. 3.1): 1F1B with each backward split into
+  B (``Backward``: the input's gradient, sent at once) and W (``BackwardWeight``: the
+  parameters' gradients, which no stage waits for), the W's held back to fill the cool-down.
+  Bubble (p-1)/(3m+p-1) when F, B and W take equal times (m >= p), a third of 1F1B's; every
+  stage stashes at most min(p, m) micro-batches (from F to W), 1F1B's first stage's count.
 
 :func:`simulate` plays all stages' lists against each other (a send is delivered at once, a
-receive waits for its send, forward costs 1 and backward 2 time units), checks every message
-against its receive and returns each instruction's start and end: the tests read the
-happens-before order from it, and ``--print-schedule`` draws it.
+receive waits for its send, forward costs 1 and backward 2 time units, a split backward's B
+and W 1 each), checks every message against its receive and returns each instruction's start
+and end: the tests read the happens-before order from it, and ``--print-schedule`` draws it.
 """
 
 from collections import deque
@@ -39,6 +44,7 @@ class Instruction:
     chunk: int = 0  # the model chunk the stage runs it on (interleaved 1F1B; else always 0)
     code = "?"  # short name for printing
     kind = "?"  # trace kind: forward, backward, send, recv, optimizer
+    part = None  # drawn in a colour of its own on a timeline (W: "weight"), else by its kind
 
     def __str__(self):
         if self.micro is None:
@@ -52,8 +58,15 @@ class Forward(Instruction):
 
 
 class Backward(Instruction):
-    """Run the stage backward on micro-batch ``micro`` (the last stage starts from the loss)."""
+    """Run the stage backward on micro-batch ``micro`` (the last stage starts from the loss);
+    in a schedule with W instructions only its input's gradient (B), keeping what W needs."""
     code, kind = "B", "backward"
+
+
+class BackwardWeight(Instruction):
+    """W: accumulate the parameter gradients of micro-batch ``micro`` from what its B kept.
+    Backward work, so traced as such (the bubble counts it busy); drawn in its own colour."""
+    code, kind, part = "W", "backward", "weight"
 
 
 class SendAct(Instruction):
@@ -178,10 +191,38 @@ def interleaved(n_stages, stage, n_micro, n_chunks=2):
     return out + [OptimizerStep()]
 
 
-SCHEDULES = {"naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b}
+def zb_h1(n_stages, stage, n_micro):
+    """ZB-H1 (Qi et al. 2024, arXiv:2401.10241, Sec. 3.1): 1F1B with each backward split into
+    B (the input's gradient, which the previous stage waits for) and W (the parameters'
+    gradients, which nobody waits for). Stage r runs 1F1B's min(p-r-1, m) warm-up forwards,
+    then one forward and one B, adding the W of its oldest micro-batch from the (r+1)-th
+    B on; in the cool-down each B is followed by a W; the W's still owed close the step.
+    Stage r thus holds up to r more micro-batches than in 1F1B (forward done, W not yet):
+    min(p, m) on every stage, the most 1F1B holds on its first. B's travel back one stage per
+    B, not per B+W, and the W's fill the cool-down: each stage idles (p-1)(TF+TB-TW) against
+    1F1B's (p-1)(TF+TB+TW) (m >= p, W no longer than B), a third when the three are equal.
+    """
+    _check(n_stages, stage, n_micro)
+    warmup = min(n_stages - stage - 1, n_micro)
+    out, owed = [], deque()  # micro-batches whose B ran and whose W did not
+    for k in range(warmup):
+        out += _forward(n_stages, stage, k)
+    for i in range(n_micro - warmup):  # steady state: micro-batch warmup+i in, i back
+        out += _forward(n_stages, stage, warmup + i) + _backward(n_stages, stage, i)
+        owed.append(i)
+        if i >= stage:  # the W that 1F1B would have run r steps ago
+            out.append(BackwardWeight(owed.popleft()))
+    for k in range(n_micro - warmup, n_micro):
+        out += _backward(n_stages, stage, k)
+        owed.append(k)
+        out.append(BackwardWeight(owed.popleft()))
+    return out + [BackwardWeight(k) for k in owed] + [OptimizerStep()]
 
 
-CHOICES = (*SCHEDULES, "interleaved")  # interleaved also takes the number of model chunks
+SCHEDULES = {"naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b}  # the hybrid's too
+SPLIT = {"zb-h1": zb_h1}  # B and W apart: the pipeline's own stages (not the hybrid's)
+
+CHOICES = (*SCHEDULES, "interleaved", *SPLIT)  # interleaved also takes the model chunks
 
 
 def stage_schedule(name, n_stages, stage, n_micro, n_chunks=1):
@@ -192,7 +233,7 @@ def stage_schedule(name, n_stages, stage, n_micro, n_chunks=1):
         return interleaved(n_stages, stage, n_micro, n_chunks)
     if n_chunks != 1:
         raise ValueError(f"schedule {name} runs one model chunk per stage, not {n_chunks}")
-    return SCHEDULES[name](n_stages, stage, n_micro)
+    return {**SCHEDULES, **SPLIT}[name](n_stages, stage, n_micro)
 
 
 def schedule(name, n_stages, n_micro, n_chunks=1):
@@ -202,45 +243,77 @@ def schedule(name, n_stages, n_micro, n_chunks=1):
 
 def bubble_formula(n_stages, n_micro, name="gpipe", n_chunks=1):
     """Idle share of a step with equal stages: (p-1)/(m+p-1), or (p-1)/p for naive, or
-    (p-1)/(v*m+p-1) for interleaved with v chunks."""
+    (p-1)/(v*m+p-1) for interleaved with v chunks. For zb-h1, F, B and W of equal times T:
+    each stage idles (p-1)(TF+TB-TW) = (p-1)T of its m(TF+TB+TW) + (p-1)T, so (p-1)/(3m+p-1)
+    for m >= p; with fewer micro-batches there are too few W's to fill the cool-down, and
+    p-m units more idle: (2p-m-1)/(2m+2p-1)."""
+    p, m = n_stages, n_micro
     if name == "naive":
-        return (n_stages - 1) / n_stages
+        return (p - 1) / p
+    if name in SPLIT:
+        idle = (p - 1) + max(p - m, 0)
+        return idle / (3 * m + idle)
     v = n_chunks if name == "interleaved" else 1
-    return (n_stages - 1) / (v * n_micro + n_stages - 1)
+    return (p - 1) / (v * m + p - 1)
 
 
 # ----------------------------------------------------------------------------- analysis
 def in_flight(instructions):
-    """Micro-batches whose activations a stage holds after each instruction (forwards done,
-    backwards not yet)."""
+    """Micro-batches whose activations a stage holds after each instruction: forward done,
+    backward not finished (its B, or its W where the schedule splits it: B frees what only B
+    needs, W the rest)."""
+    split = {(i.micro, i.chunk) for i in instructions if isinstance(i, BackwardWeight)}
     held, out = 0, []
     for ins in instructions:
-        held += isinstance(ins, Forward) - isinstance(ins, Backward)
+        done = isinstance(ins, BackwardWeight) or \
+            (isinstance(ins, Backward) and (ins.micro, ins.chunk) not in split)
+        held += isinstance(ins, Forward) - done
         out.append(held)
     return out
 
 
 def peak_in_flight(instructions):
-    """The most micro-batches a stage stashes at once: GPipe m, 1F1B min(p - r, m)."""
+    """The most micro-batches a stage stashes at once: GPipe m, 1F1B min(p - r, m), zb-h1
+    min(p, m)."""
     return max(in_flight(instructions), default=0)
+
+
+def peak_stash(instructions, forward_bytes, weight_bytes=0):
+    """The most bytes a stage stashes at once when a forward stashes ``forward_bytes`` for its
+    micro-batch, a B that has a W keeps ``weight_bytes`` of them (what W needs: each layer's
+    input and output gradient) until that W, and a whole backward frees them all."""
+    split = {(i.micro, i.chunk) for i in instructions if isinstance(i, BackwardWeight)}
+    held = peak = 0
+    for ins in instructions:
+        if isinstance(ins, Forward):
+            held += forward_bytes
+        elif isinstance(ins, Backward):
+            held += (weight_bytes if (ins.micro, ins.chunk) in split else 0) - forward_bytes
+        elif isinstance(ins, BackwardWeight):
+            held -= weight_bytes
+        peak = max(peak, held)
+    return peak
 
 
 class ScheduleError(Exception):
     """A schedule that would deadlock, mismatch a message, or run an instruction too early."""
 
 
-def simulate(lists, forward_cost=1.0, backward_cost=2.0, message_cost=0.0):
+def simulate(lists, forward_cost=1.0, backward_cost=2.0, message_cost=0.0, weight_share=0.5):
     """Execute every stage's list against the others; return per stage [(ins, start, end)].
 
     A send does not hold up its sender (MPI's non-blocking send); a receive waits until its
     message has arrived, ``message_cost`` after the send, and must get the micro-batch it names.
     Forward and backward take the given times: one number for every stage, one per stage (the
     cost model, :mod:`mpipar.simulate`, passes each stage's own), or a function (stage, micro)
-    -> time. With model chunks (interleaved 1F1B, v = 1 + the largest chunk in the lists) the
-    activation of chunk c goes to chunk c of the next stage, and from the last stage to chunk
-    c+1 of stage 0; gradients go the reverse way; a cost is then that of one chunk. Raises
-    :class:`ScheduleError` on a deadlock, a receive matched to another micro-batch, an
-    instruction without its input, or a send nobody receives.
+    -> time. Where a list splits a micro-batch's backward, its W takes ``weight_share`` of the
+    backward's time and its B the rest (half each: for a matrix product dx and dW cost the
+    same FLOPs, so F, B and W take equal times). With model chunks (interleaved 1F1B, v = 1 +
+    the largest chunk in the lists) the activation of chunk c goes to chunk c of the next
+    stage, and from the last stage to chunk c+1 of stage 0; gradients go the reverse way; a
+    cost is then that of one chunk. Raises :class:`ScheduleError` on a deadlock, a receive
+    matched to another micro-batch, an instruction without its input (a W before its B), or a
+    send nobody receives.
     """
     n = len(lists)
     n_chunks = 1 + max((i.chunk for ins in lists for i in ins), default=0)
@@ -250,7 +323,11 @@ def simulate(lists, forward_cost=1.0, backward_cost=2.0, message_cost=0.0):
     done = [[] for _ in range(n)]  # per stage: (ins, start, end)
     clock = [0.0] * n
     pos = [0] * n
-    state = [dict(fwd=set(), bwd=set(), act=set(), grad=set()) for _ in range(n)]
+    state = [dict(fwd=set(), bwd=set(), wgt=set(), act=set(), grad=set()) for _ in range(n)]
+    split = [{(i.micro, i.chunk) for i in ins if isinstance(i, BackwardWeight)} for ins in lists]
+
+    def cost(costs, s, k):
+        return costs[s](s, k) if callable(costs[s]) else costs[s]
 
     def channel(src, dst, what, chunk):
         return channels.setdefault((src, dst, what, chunk), deque())
@@ -263,7 +340,7 @@ def simulate(lists, forward_cost=1.0, backward_cost=2.0, message_cost=0.0):
         """Run ins on stage s if it can run now; return False if it must wait."""
         st, k, c, t = state[s], ins.micro, ins.chunk, clock[s]
         first, last = s == 0 and c == 0, s == n - 1 and c == n_chunks - 1
-        cost = 0.0
+        took = 0.0
         if isinstance(ins, (RecvAct, RecvGrad)):
             is_act = isinstance(ins, RecvAct)
             (src, _), what = neighbour(s, c, -1 if is_act else 1), "act" if is_act else "grad"
@@ -283,14 +360,19 @@ def simulate(lists, forward_cost=1.0, backward_cost=2.0, message_cost=0.0):
             if (k, c) in st["fwd"] or (not first and (k, c) not in st["act"]):
                 raise ScheduleError(f"stage {s}: {ins} without its input activation (or twice)")
             st["fwd"].add((k, c))
-            cost = forward_cost[s](s, k) if callable(forward_cost[s]) else forward_cost[s]
+            took = cost(forward_cost, s, k)
         elif isinstance(ins, Backward):
             if (k, c) in st["bwd"] or (k, c) not in st["fwd"] or \
                     (not last and (k, c) not in st["grad"]):
                 raise ScheduleError(f"stage {s}: {ins} before its forward or its output's "
                                     "gradient (or twice)")
             st["bwd"].add((k, c))
-            cost = backward_cost[s](s, k) if callable(backward_cost[s]) else backward_cost[s]
+            took = cost(backward_cost, s, k) * (1 - weight_share if (k, c) in split[s] else 1)
+        elif isinstance(ins, BackwardWeight):
+            if (k, c) in st["wgt"] or (k, c) not in st["bwd"]:
+                raise ScheduleError(f"stage {s}: {ins} before its B (or twice)")
+            st["wgt"].add((k, c))
+            took = cost(backward_cost, s, k) * weight_share
         elif isinstance(ins, (SendAct, SendGrad)):
             is_act = isinstance(ins, SendAct)
             (dst, dc), what = neighbour(s, c, 1 if is_act else -1), "act" if is_act else "grad"
@@ -302,12 +384,13 @@ def simulate(lists, forward_cost=1.0, backward_cost=2.0, message_cost=0.0):
                 raise ScheduleError(f"stage {s}: {ins} before the {need} that computes it")
             channel(s, dst, what, dc).append((k, t + message_cost))
         elif isinstance(ins, OptimizerStep):
-            if st["fwd"] != st["bwd"]:
+            if st["fwd"] != st["bwd"] or split[s] - st["wgt"]:
+                late = (st["fwd"] - st["bwd"]) | (split[s] - st["wgt"])
                 raise ScheduleError(f"stage {s}: optimizer step with micro-batches "
-                                    f"{sorted({k for k, _ in st['fwd'] - st['bwd']})} not yet "
-                                    "backpropagated")
-        clock[s] = t + cost
-        done[s].append((ins, t, t + cost))
+                                    f"{sorted({k for k, _ in late})} not yet backpropagated "
+                                    "(B, or W where split)")
+        clock[s] = t + took
+        done[s].append((ins, t, t + took))
         return True
 
     while any(pos[s] < len(lists[s]) for s in range(n)):
@@ -338,26 +421,29 @@ def _per_stage(cost, n):
 def simulated_bubble(timeline):
     """Idle share of the simulated step: 1 - busy / (stages * span of forward/backward)."""
     spans = [(t0, t1) for events in timeline for ins, t0, t1 in events
-             if isinstance(ins, (Forward, Backward))]
+             if isinstance(ins, (Forward, Backward, BackwardWeight))]
     begin, end = min(t0 for t0, _ in spans), max(t1 for _, t1 in spans)
     return 1.0 - sum(t1 - t0 for t0, t1 in spans) / (len(timeline) * (end - begin))
 
 
 def format_schedule(name, n_stages, n_micro, n_chunks=1):
     """Every stage's instruction list, and the simulated timeline (forward 1 unit, backward 2,
-    per chunk: the bubble share does not depend on the unit)."""
+    per chunk; a split backward B 1 and W 1: the bubble share does not depend on the unit)."""
     lists = schedule(name, n_stages, n_micro, n_chunks)
     timeline = simulate(lists)
-    chunked = name == "interleaved"
+    chunked, split = name == "interleaved", name in SPLIT
     lines = [f"schedule {name}: {n_stages} stages, {n_micro} micro-batches"
              + (f", {n_chunks} model chunks per stage" if chunked else ""),
-             "  F/B forward/backward, SA/RA send/receive activation, SG/RG send/receive "
+             "  F/B forward/backward" + (" (B: the input's gradient only), W the weights' "
+                                         "gradient" if split else "")
+             + ", SA/RA send/receive activation, SG/RG send/receive "
              "gradient, OPT optimizer step; the number is the micro-batch"
              + (" (.c: on model chunk c)" if chunked else "")]
     for s, ins in enumerate(lists):
         lines.append(f"  stage {s} (stashes at most {peak_in_flight(ins)}): "
                      + " ".join(map(str, ins)))
-    lines.append("simulated timeline (one cell per time unit; forward 1 unit, backward 2):")
+    lines.append("simulated timeline (one cell per time unit; forward 1 unit, backward 2"
+                 + (" = B 1 + W 1" if split else "") + "):")
     end = int(max(t1 for events in timeline for _, _, t1 in events))
     width = 5 if chunked else 3
     for s, events in enumerate(timeline):

@@ -186,10 +186,11 @@ class ColumnParallelLinear(nn.Linear):
         y = super().forward(self.f.forward(x), micro_id)  # (..., d_out/t)
         return self.gather.forward(y) if self.gather else y
 
-    def backward(self, dout, micro_id=0):
+    def backward_input(self, dout, micro_id=0):
+        """B (nn.Linear's, between the split of the gather and f); W is nn.Linear's."""
         if self.gather:
             dout = self.gather.backward(dout)  # (..., d_out/t)
-        dx = super().backward(dout, micro_id)  # this rank's part of dx, or None
+        dx = super().backward_input(dout, micro_id)  # this rank's part of dx, or None
         return None if dx is None else self.f.backward(dx)
 
 
@@ -217,13 +218,10 @@ class RowParallelLinear(nn.Linear):
             y += self.b.data
         return y
 
-    def backward(self, dout, micro_id=0):
-        (x,) = self.saved(micro_id)
-        dout = self.g.backward(dout)
-        self.W.grad += nn._rows(x).T @ nn._rows(dout)  # (d_in/t, d_out)
-        if self.has_bias:
-            self.b.grad += nn._rows(dout).sum(axis=0)
-        return dout @ self.W.data.T  # (..., d_in/t)
+    def backward_input(self, dout, micro_id=0):
+        """B and W are nn.Linear's after ``g``'s identity: dW = x_r^T dout is (d_in/t, d_out),
+        dx = dout W[rows_r, :]^T is (..., d_in/t)."""
+        return super().backward_input(self.g.backward(dout), micro_id)
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -245,11 +243,14 @@ class VocabParallelEmbedding(nn.Embedding):
         out = self.W.data[local] * inside[..., None]  # (B, T, C), zero rows for other ids
         return self.g.forward(out)
 
-    def backward(self, dout, micro_id=0):
+    def backward_input(self, dout, micro_id=0):
         local, inside = self.saved(micro_id)
-        dout = self.g.backward(dout)
-        B.xp.add.at(self.W.grad, local[inside], dout[inside])
+        self.save(micro_id, local, inside, self.g.backward(dout))  # what W needs
         return None  # token ids have no gradient
+
+    def backward_weight(self, micro_id=0):
+        local, inside, dout = self.saved(micro_id)
+        B.xp.add.at(self.W.grad, local[inside], dout[inside])
 
 
 # -- TP Step 3: the ranks shard and gather activations to pass partial results on --

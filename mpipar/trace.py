@@ -57,7 +57,12 @@ def gantt(per_rank, path, title="", kinds_colors=None, row_label="stage", ax=Non
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = kinds_colors or {"forward": "#4C72B0", "backward": "#DD8452", "optimizer": "#55A868"}
+    colors = kinds_colors or {"forward": "#4C72B0", "backward": "#DD8452", "weight": "#8172B3",
+                              "optimizer": "#55A868"}  # weight: W, a backward's second part
+
+    def shade(kind, info):  # W is traced as backward work (the bubble counts it busy)
+        return info.get("part") or kind
+
     t_zero = min(e[0] for events in per_rank for e in events)
     t_last = max(e[1] for events in per_rank for e in events)
     own = ax is None
@@ -65,10 +70,11 @@ def gantt(per_rank, path, title="", kinds_colors=None, row_label="stage", ax=Non
         fig, ax = plt.subplots(figsize=(11, 0.6 * len(per_rank) + 1.4))
     for r, events in enumerate(per_rank):
         for t0, t1, kind, _label, info in events:
-            if kind not in colors:
+            if shade(kind, info) not in colors:
                 continue
             x0, w = (t0 - t_zero) * 1e3, (t1 - t0) * 1e3
-            ax.barh(r, w, left=x0, height=0.8, color=colors[kind], edgecolor="black", linewidth=0.4)
+            ax.barh(r, w, left=x0, height=0.8, color=colors[shade(kind, info)],
+                    edgecolor="black", linewidth=0.4)
             if "micro" in info and w > 0.025 * (t_last - t_zero) * 1e3:
                 ax.text(x0 + w / 2, r, str(info["micro"]), ha="center", va="center",
                         fontsize=7, color="white")
@@ -76,8 +82,9 @@ def gantt(per_rank, path, title="", kinds_colors=None, row_label="stage", ax=Non
     ax.set_yticklabels([f"{row_label} {r}" for r in range(len(per_rank))])
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    ax.legend(handles, list(colors), loc="upper right", fontsize=8, ncol=len(colors))
+    drawn = [k for k in colors if any(shade(e[2], e[4]) == k for ev in per_rank for e in ev)]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[k]) for k in drawn]
+    ax.legend(handles, drawn, loc="upper right", fontsize=8, ncol=max(len(drawn), 1))
     ax.set_title(title)
     if not own:
         return ax

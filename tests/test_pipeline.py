@@ -1,7 +1,8 @@
 """Pipeline parallelism under mpirun: every schedule and micro-batch count equals the serial
-trainer on 1 to 4 stages (also with synchronous sends), interleaved 1F1B on 2 and 4, the
-stash of activations matches the schedule, the command line reports what the serial trainer
-reports, and bad input ends every rank with one clear message."""
+trainer on 1 to 4 stages (also with synchronous sends), interleaved 1F1B on 2 and 4, zero-bubble
+ZB-H1 bit for bit 1F1B's parameters, the stash of activations matches the schedule, the command
+line reports what the serial trainer reports, and bad input ends every rank with one clear
+message."""
 
 import re
 import subprocess
@@ -16,9 +17,11 @@ MLP = ["--model", "mlp", "--sizes", "64,16,16,16,16,10", "--batch-size", "12", "
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_every_schedule_equals_serial(mpirun, n):
-    """naive, gpipe, 1f1b x m in {1, 2, 4, 8} x {MLP of 9 layers, GPT of 5}: losses and
-    parameters after 3 steps (rel. err <= 1e-10), peak stash = in-flight x one micro-batch;
-    on 2 and 4 ranks also interleaved 1F1B with 2 chunks, m in {4, 8}, MLP and GPT of 8."""
+    """naive, gpipe, 1f1b, zb-h1 x m in {1, 2, 4, 8} x {MLP of 9 layers, GPT of 5}: losses
+    and parameters after 3 steps (rel. err <= 1e-10), peak stash = in-flight x one micro-batch
+    (zb-h1: walked through its list, a micro-batch between B and W holding what W needs),
+    zb-h1's parameters bitwise 1F1B's; on 2 and 4 ranks also interleaved 1F1B with 2 chunks,
+    m in {4, 8}, MLP and GPT of 8."""
     out = mpirun(n, [MPI_SCRIPTS / "pp_checks.py"], timeout=90)
     assert f"pp checks passed on {n} ranks" in out.stdout
 
@@ -55,6 +58,21 @@ def test_interleaved_command_line_matches_serial(mpirun, tmp_path, capsys):
                      out), out
 
 
+def test_zero_bubble_command_line_matches_serial_and_1f1b_bitwise(mpirun, tmp_path, capsys):
+    """--schedule zb-h1 on 2 ranks: the serial result, and exactly 1F1B's parameters: B and W
+    are the backward's arithmetic, run apart; every W adds its micro-batch in 1F1B's order."""
+    from mpipar import train
+
+    saved = {name: tmp_path / f"{name}.npz" for name in ("zb-h1", "1f1b")}
+    out = {name: mpirun(2, ["-m", "mpipar.pipeline", *MLP, "--schedule", name,
+                            "--micro-batches", "4", "--save-params", path, "--timeline", "none"],
+                        timeout=60).stdout for name, path in saved.items()}
+    assert "schedule zb-h1, 4 micro-batches" in out["zb-h1"], out["zb-h1"]
+    zb, one = (train.load_params(path) for path in saved.values())
+    assert list(zb) == list(one) and all((zb[k] == one[k]).all() for k in zb)
+    assert_matches_serial(out["zb-h1"], MLP, saved["zb-h1"], tmp_path, capsys)
+
+
 def test_default_run_is_the_gpt_on_4_stages(mpirun, tmp_path):
     """The demo's command, shortened to 3 steps: partition, report, bubble, timeline."""
     picture = tmp_path / "t.png"
@@ -78,6 +96,8 @@ def test_default_run_is_the_gpt_on_4_stages(mpirun, tmp_path):
     (2, ["--schedule", "interleaved", "--micro-batches", "3"], "multiple of the stages (2)"),
     (2, ["--chunks", "2"], "--chunks 2 needs --schedule interleaved"),
     (2, ["--schedule", "interleaved", "--chunks", "0"], "--chunks must be positive"),
+    (2, ["--schedule", "zb-h1", "--chunks", "2"], "--chunks 2 needs --schedule interleaved"),
+    (2, ["--schedule", "zb-h1", "--recompute"], "--recompute runs a stage's backward whole"),
     (2, ["--model", "mlp", "--sizes", "64,16,10", "--schedule", "interleaved"],
      "4 model pieces but the mlp model has only 3 layers"),
 ])
@@ -99,9 +119,52 @@ def test_print_schedule_needs_no_mpirun():
     assert "stage 1 (stashes at most 3): RA0 F0 SA0 RA1 F1 SA1 RA0.1 F0.1 B0.1" in out, out
     assert "stage 1 |    . F0.0 F1.0 F0.1 B0.1 B0.1" in out, out
     assert "bubble 0.200 (formula 0.200)" in out
+    out = subprocess.run([sys.executable, "-m", "mpipar.pipeline", "--print-schedule",
+                          "--schedule", "zb-h1", "--stages", "4", "--micro-batches", "8"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT, check=True).stdout
+    assert "stage 3 (stashes at most 4): RA0 F0 B0 SG0 RA1 F1 B1 SG1" in out, out
+    assert "stage 3 |  .  .  . F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1" in out, out
+    assert "bubble 0.111 (formula 0.111)" in out
 
 
 def test_every_seed_step_has_one_banner_in_order():
     source = (ROOT / "mpipar" / "pipeline.py").read_text()
     steps = [int(n) for n in re.findall(r"^\s*# -- PP Step (\d+): ", source, re.M)]
     assert steps == list(range(1, 10)), steps
+
+
+@pytest.mark.parametrize("kind,first", [("mlp", 0), ("mlp", 1), ("gpt", 0), ("gpt", 1)])
+def test_split_backward_is_the_backward_bit_for_bit(kind, first):
+    """B of two micro-batches, then their W's (ZB-H1's order on a stage), against the whole
+    backward of each: the same input gradients and parameter gradients, bit for bit, and
+    nothing left in any cache. The stage from layer ``first`` on: with the data layer (whose
+    input has no gradient), or fed a float activation as a later stage is."""
+    import numpy as np
+
+    from mpipar import nn
+
+    def stage():
+        model = nn.MLP([8, 16, 16, 4]) if kind == "mlp" else \
+            nn.GPT(vocab=11, d_model=8, n_heads=2, n_layers=2, seq_len=5)
+        return nn.Sequential(model.layers[first:]).init(3)
+
+    rng = np.random.default_rng(0)  # float64: conftest's autouse fixture
+    whole, split = stage(), stage()
+    if kind == "gpt" and first == 0:
+        xs = [rng.integers(0, 11, (2, 5)) for _ in range(2)]  # token ids
+    else:
+        shape = {("mlp", 0): (3, 8), ("mlp", 1): (3, 16), ("gpt", 1): (2, 5, 8)}[kind, first]
+        xs = [rng.standard_normal(shape) for _ in range(2)]
+    douts = [rng.standard_normal(whole.forward(x, k).shape) for k, x in enumerate(xs)]
+    dx_whole = [whole.backward(d, k) for k, d in enumerate(douts)]
+    for k, x in enumerate(xs):
+        split.forward(x, k)
+    dx_split = [split.backward_input(d, k) for k, d in enumerate(douts)]
+    assert any(m._cache for m in split.modules())  # B kept what W needs
+    for k in range(len(xs)):
+        split.backward_weight(k)
+    assert not any(m._cache for m in split.modules())
+    for a, b in zip(dx_whole, dx_split):
+        assert (a is None) == (b is None) == (first == 0) and (a is None or np.array_equal(a, b))
+    for (name, p), (_, q) in zip(whole.named_parameters(), split.named_parameters()):
+        assert np.array_equal(p.grad, q.grad), name

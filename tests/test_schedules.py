@@ -1,11 +1,14 @@
 """Pipeline schedules without MPI: exact lists for small cases, and for many (stages, micro-
-batches) the happens-before order, matched messages, stash sizes and bubble of a simulation."""
+batches) the happens-before order, matched messages, stash sizes and bubble of a simulation;
+zero-bubble ZB-H1 with its W instructions too."""
 
 import pytest
 
 from mpipar.schedules import (
     SCHEDULES,
+    SPLIT,
     Backward,
+    BackwardWeight,
     Forward,
     OptimizerStep,
     RecvAct,
@@ -19,12 +22,14 @@ from mpipar.schedules import (
     interleaved,
     one_f_one_b,
     peak_in_flight,
+    peak_stash,
     schedule,
     simulate,
     simulated_bubble,
 )
 
 CASES = [(p, m) for p in range(1, 7) for m in range(1, 10)]
+ONE_CHUNK = [*SCHEDULES, *SPLIT]  # every schedule but interleaved
 
 
 def text(name, p, m):
@@ -51,13 +56,13 @@ def test_exact_1f1b_three_stages_four_micro_batches():
 
 
 def test_single_stage_has_no_messages():
-    for name in SCHEDULES:
+    for name in ONE_CHUNK:
         ins = schedule(name, 1, 3)[0]
         assert not [i for i in ins if isinstance(i, (SendAct, RecvAct, SendGrad, RecvGrad))]
         assert sum(isinstance(i, Forward) for i in ins) == 3 and ins[-1] == OptimizerStep()
 
 
-@pytest.mark.parametrize("name", list(SCHEDULES))
+@pytest.mark.parametrize("name", ONE_CHUNK)
 def test_happens_before_and_matched_messages(name):
     for p, m in CASES:
         timeline = simulate(schedule(name, p, m))  # raises on any unmatched message
@@ -77,7 +82,7 @@ def test_happens_before_and_matched_messages(name):
                     assert b_next <= bwd[k][0], (name, p, m, s, k)  # backward: s+1 before s
 
 
-@pytest.mark.parametrize("name", list(SCHEDULES))
+@pytest.mark.parametrize("name", ONE_CHUNK)
 def test_every_send_has_its_receive(name):
     for p, m in CASES:
         lists = schedule(name, p, m)
@@ -97,10 +102,11 @@ def test_stashed_micro_batches():
             assert in_flight(SCHEDULES["1f1b"](p, r, m))[-1] == 0
 
 
-@pytest.mark.parametrize("name", list(SCHEDULES))
+@pytest.mark.parametrize("name", ONE_CHUNK)
 def test_simulated_bubble_is_the_formula(name):
     """Equal stages, backward twice the forward, free messages: (p-1)/(m+p-1) for GPipe and
-    1F1B, (p-1)/p for one micro-batch at a time."""
+    1F1B, (p-1)/p for one micro-batch at a time; zb-h1 (B and W one unit each) per
+    bubble_formula, (p-1)/(3m+p-1) for m >= p."""
     for p, m in CASES:
         got = simulated_bubble(simulate(schedule(name, p, m)))
         assert got == pytest.approx(bubble_formula(p, m, name), abs=1e-12), (name, p, m)
@@ -254,3 +260,107 @@ def test_interleaved_by_name():
     out = format_schedule("interleaved", 2, 2, 2)
     assert "stage 0 | F0.0 F1.0 F0.1 F1.1    .    . B0.1 B0.1" in out, out
     assert "bubble 0.200 (formula 0.200)" in out
+
+
+# ----------------------------------------------------------------------------- zero bubble (ZB-H1)
+def test_exact_zb_h1_three_stages_four_micro_batches():
+    """1F1B's warm-up and F/B alternation; stage r adds the W of its oldest micro-batch from
+    its (r+1)-th B on, one W after each B in the cool-down, and the W's still owed at the end."""
+    assert text("zb-h1", 3, 4) == [
+        "F0 SA0 F1 SA1 F2 SA2 RG0 B0 W0 F3 SA3 RG1 B1 W1 RG2 B2 W2 RG3 B3 W3 OPT",
+        "RA0 F0 SA0 RA1 F1 SA1 RG0 B0 SG0 RA2 F2 SA2 RG1 B1 SG1 W0 RA3 F3 SA3 RG2 B2 SG2 W1 "
+        "RG3 B3 SG3 W2 W3 OPT",
+        "RA0 F0 B0 SG0 RA1 F1 B1 SG1 RA2 F2 B2 SG2 W0 RA3 F3 B3 SG3 W1 W2 W3 OPT",
+    ]
+    assert str(BackwardWeight(2)) == "W2" and BackwardWeight(2).kind == "backward"
+
+
+def test_zb_h1_is_1f1b_with_each_backward_split():
+    """Drop the W's and the list is 1F1B's: the same forwards, B's and messages, in order."""
+    for p, m in CASES:
+        for r in range(p):
+            lists = SPLIT["zb-h1"](p, r, m)
+            assert [i for i in lists if not isinstance(i, BackwardWeight)] == \
+                one_f_one_b(p, r, m), (p, m, r)
+
+
+def test_zb_h1_weight_gradients_after_their_b_before_the_step():
+    """Every micro-batch gets one W, after its own B, in micro-batch order (so the gradients
+    add up in 1F1B's order: the same bits), and the optimizer step comes after the last W."""
+    for p, m in CASES:
+        for events in simulate(schedule("zb-h1", p, m)):
+            b_end = {i.micro: t1 for i, _, t1 in events if isinstance(i, Backward)}
+            w = [(i.micro, t0) for i, t0, _ in events if isinstance(i, BackwardWeight)]
+            assert [k for k, _ in w] == list(range(m)), (p, m)
+            assert all(b_end[k] <= t0 for k, t0 in w), (p, m)
+            assert isinstance(events[-1][0], OptimizerStep)
+            assert events[-1][1] >= max(t0 for _, t0 in w)
+
+
+def test_zb_h1_stash_is_1f1b_first_stage_on_every_stage():
+    """Counting a micro-batch from its forward to its W, every stage holds at most min(p, m),
+    what 1F1B's first stage holds: the peak over the stages does not grow."""
+    for p, m in CASES:
+        for r in range(p):
+            ins = SPLIT["zb-h1"](p, r, m)
+            assert peak_in_flight(ins) == min(p, m) == peak_in_flight(one_f_one_b(p, 0, m))
+            assert in_flight(ins)[-1] == 0
+
+
+def test_peak_stash_in_bytes():
+    """A forward adds its stash, a B that has a W trades it for what W needs, a W frees it; a
+    whole backward frees it all. With one unit each way it counts the micro-batches in flight."""
+    for p, m in CASES:
+        for r in range(p):
+            for ins in (one_f_one_b(p, r, m), SPLIT["zb-h1"](p, r, m)):
+                assert peak_stash(ins, 1, 1) == peak_in_flight(ins)
+            assert peak_stash(one_f_one_b(p, r, m), 5, 99) == 5 * min(p - r, m)
+    # stage 1 of 2, m = 2: F0 B0 F1 B1 W0 W1; held 5, 3, 8, 6 (after B1), 3, 0
+    assert peak_stash(SPLIT["zb-h1"](2, 1, 2), 5, 3) == 8
+
+
+@pytest.mark.parametrize("tf,tb,tw", [(1, 1, 1), (1, 1.5, 0.5), (2, 1, 1), (1, 2, 1)])
+def test_zb_h1_idle_time_is_the_papers(tf, tb, tw):
+    """Qi et al. 2024, Sec. 3.1: each stage idles (p-1)(TF+TB-TW) in a step (m >= p, W no
+    longer than B), against 1F1B's (p-1)(TF+TB+TW): a third of it when the three are equal."""
+    for p, m in CASES:
+        if m < p:
+            continue
+        for name, idle in (("zb-h1", (p - 1) * (tf + tb - tw)), ("1f1b", (p - 1) * (tf + tb + tw))):
+            timeline = simulate(schedule(name, p, m), tf, tb + tw, weight_share=tw / (tb + tw))
+            end = max(t1 for events in timeline for _, _, t1 in events)
+            for events in timeline:
+                busy = sum(t1 - t0 for i, t0, t1 in events if i.kind in ("forward", "backward"))
+                assert end - busy == pytest.approx(idle), (name, p, m, tf, tb, tw)
+
+
+def test_zb_h1_bubble_formula():
+    assert bubble_formula(4, 8, "zb-h1") == pytest.approx(3 / 27)  # (p-1)/(3m+p-1)
+    assert bubble_formula(4, 4, "zb-h1") == pytest.approx(3 / 15)
+    assert bubble_formula(4, 2, "zb-h1") == pytest.approx(5 / 11)  # m < p: p-m more idle
+    for p, m in CASES:  # never worse than 1F1B; a third of its idle time once m >= p
+        assert bubble_formula(p, m, "zb-h1") <= bubble_formula(p, m, "1f1b")
+
+
+def test_simulation_catches_broken_split_backwards():
+    with pytest.raises(ScheduleError, match="before its B"):
+        simulate([[Forward(0), BackwardWeight(0), Backward(0)]])
+    with pytest.raises(ScheduleError, match="twice"):
+        simulate([[Forward(0), Backward(0), BackwardWeight(0), BackwardWeight(0)]])
+    with pytest.raises(ScheduleError, match=r"micro-batches \[0\] not yet backpropagated"):
+        simulate([[Forward(0), Backward(0), OptimizerStep(), BackwardWeight(0)]])
+    # a B with a W costs (1 - weight_share) of the backward, the W the rest
+    (_, (_, b0, b1), (_, w0, w1)), = simulate([[Forward(0), Backward(0), BackwardWeight(0)]],
+                                                1.0, 2.0, weight_share=0.25)
+    assert (b1 - b0, w1 - w0) == (1.5, 0.5)
+
+
+def test_printed_zb_h1_schedule():
+    out = format_schedule("zb-h1", 2, 2)
+    assert "W the weights' gradient" in out, out
+    assert "stage 1 (stashes at most 2): RA0 F0 B0 SG0 RA1 F1 B1 SG1 W0 W1 OPT" in out, out
+    assert "stage 0 | F0 F1  . B0 W0 B1 W1" in out, out
+    assert "stage 1 |  . F0 B0 F1 B1 W0 W1" in out, out
+    assert "bubble 0.143 (formula 0.143)" in out
+    with pytest.raises(ValueError, match="one model chunk per stage"):
+        schedule("zb-h1", 2, 4, 2)

@@ -1,5 +1,6 @@
 """Pipeline parallelism: the measured bubble beside (p-1)/(m+p-1), the activations each stage
-stashes under GPipe and 1F1B, and the step time beside the serial trainer's.
+stashes under GPipe and 1F1B, and the step time beside the serial trainer's; zero-bubble ZB-H1
+beside 1F1B in the same launch: its bubble beside (p-1)/(3m+p-1), its stash and step time.
 
     python -m mpipar.bench pp     # pp.csv, pp_bubble.png, pp_memory.png, pp_timelines.png in --out
 
@@ -13,15 +14,19 @@ The last stage adds a mean squared error (under 1% of its work; a softmax cross-
 classes would add about 10%, and an unbalanced last stage raises the bubble).
 
 One launch per P (2, then 4: 4 ranks on 2 cores are oversubscribed and marked so); in it, for
-gpipe and 1f1b with m in {1, 2, 4, 8, 16}, and naive up to m = 4 (its bubble is (p-1)/p for
-any m): warm-up rounds, then timed rounds, each running every configuration once (barrier, the
+gpipe, 1f1b and zb-h1 with m in {1, 2, 4, 8, 16}, and naive up to m = 4 (its bubble is (p-1)/p
+for any m): warm-up rounds, then timed rounds, each running every configuration once (barrier, the
 step, the slowest rank's time), so that a slow spell of a shared machine spoils one sample of
 many configurations, not every sample of a few; the median over rounds. The bubble of a step
 comes from the trace (mpipar.trace): 1 - (sum over ranks of forward + backward time) /
-(P * span from the first forward to the last backward), the median over steps. The peak stash
-of a stage is the most bytes nn.Module.cached_bytes() showed after any instruction, beside the
-prediction: the schedule's peak micro-batches in flight times one micro-batch's stash. The
-serial step is timed in this process on the whole model and the same batch.
+(P * span from the first forward to the last backward, W's counted as backward), the median
+over steps. Here dx and dW of a Linear cost the same FLOPs as its forward, so F, B and W take
+about equal times, as ZB-H1's formula assumes. The peak stash of a stage is the most bytes
+nn.Module.cached_bytes() showed after any forward or B, beside the prediction: the schedule's
+peak micro-batches in flight times one micro-batch's stash (for zb-h1, schedules.peak_stash:
+a micro-batch between its B and its W holds what W needs instead, each Linear's input and
+output gradient, more than the forward's input and 1-byte ReLU mask). The serial step is timed
+in this process on the whole model and the same batch.
 """
 
 import argparse
@@ -43,7 +48,7 @@ from mpipar.bench.common import (
 WIDTH, ROWS, LAYERS = 1024, 64, 4  # per stage: LAYERS x (Linear(WIDTH, WIDTH), ReLU)
 NAIVE_MAX_M = 4  # naive's bubble is (p-1)/p for every m, and its steps are the longest
 MICRO = (1, 2, 4, 8, 16)
-SCHEDULE_NAMES = ("naive", "gpipe", "1f1b")
+SCHEDULE_NAMES = ("naive", "gpipe", "1f1b", "zb-h1")
 RANKS = (2, 4)
 TIMELINE_M = 4
 
@@ -77,7 +82,7 @@ def worker(micro_counts, steps, warmup):
     from mpipar.bench.common import emit
     from mpipar.grid import Grid
     from mpipar.plan import stage_bounds
-    from mpipar.schedules import SCHEDULES, peak_in_flight
+    from mpipar.schedules import peak_in_flight, peak_stash, stage_schedule
     from mpipar.trace import TRACE, measured_bubble, median_step, step_summary
 
     C.install_excepthook()
@@ -89,8 +94,10 @@ def worker(micro_counts, steps, warmup):
     loss_fn = nn.MSE()
 
     probe = PP.build_stage(model, bounds, 0)  # one micro-batch's stash on this stage
-    probe.forward(batch(1)[0], 0)
+    out = probe.forward(batch(1)[0], 0)
     per_micro = probe.cached_bytes()
+    probe.backward_input(B.xp.ones_like(out), 0)  # and from its B to its W
+    per_micro_w = probe.cached_bytes()
 
     configs = {}  # (schedule, m) -> what one configuration needs, built once
     for name in SCHEDULE_NAMES:
@@ -98,7 +105,8 @@ def worker(micro_counts, steps, warmup):
             stage = PP.build_stage(model, bounds, 0)
             x, y = batch(m)
             configs[name, m] = dict(stage=stage, opt=optim.SGD(stage.parameters(), lr=1e-4),
-                                    instructions=SCHEDULES[name](P, r, m), normalizer=y.size,
+                                    instructions=stage_schedule(name, P, r, m),
+                                    normalizer=y.size,
                                     inputs=PP.micro_batches(x, m),
                                     targets=PP.micro_batches(y, m),
                                     samples=[], traces=[], peak=0)
@@ -118,15 +126,18 @@ def worker(micro_counts, steps, warmup):
             c["peak"] = max(c["peak"], result.peak_stash_bytes)
             if step >= warmup:
                 c["samples"].append((t, step_summary(TRACE.events)))
-                if m == TIMELINE_M:
-                    c["traces"].append([e[:4] + ({"micro": e[4]["micro"]}
-                                                 if "micro" in e[4] else {},)
+                if m == TIMELINE_M:  # JSON: the label as text; the micro-batch, and "weight"
+                    c["traces"].append([(*e[:3], str(e[3]),  # for a W (its colour)
+                                         {k: e[4][k] for k in ("micro", "part")
+                                          if e[4].get(k) is not None})
                                         for e in TRACE.events
                                         if e[2] in ("forward", "backward", "optimizer")])
     for (name, m), c in configs.items():
         everyone = pp.gather_obj(dict(samples=c["samples"], peak=c["peak"],
                                       per_micro=per_micro,
                                       in_flight=peak_in_flight(c["instructions"]),
+                                      predicted=peak_stash(c["instructions"], per_micro,
+                                                           per_micro_w),
                                       traces=c["traces"] if m == TIMELINE_M else None))
         if r == 0:
             # the timeline shows the median step by duration, not one another process hit
@@ -139,6 +150,7 @@ def worker(micro_counts, steps, warmup):
                       peaks=[e["peak"] for e in everyone],
                       per_micro=[e["per_micro"] for e in everyone],
                       in_flight=[e["in_flight"] for e in everyone],
+                      predicted=[e["predicted"] for e in everyone],
                       events=[e["traces"][typical] for e in everyone]
                       if m == TIMELINE_M else None))
 
@@ -163,7 +175,7 @@ def plot_bubble(rows, path):
     from mpipar.schedules import bubble_formula
 
     fig, axes = plt.subplots(1, len(RANKS), figsize=(12, 4.4), sharey=True)
-    markers = {"naive": "s", "gpipe": "o", "1f1b": "^"}
+    markers = {"naive": "s", "gpipe": "o", "1f1b": "^", "zb-h1": "v"}
     for ax, p in zip(axes, RANKS):
         ms = sorted({r["m"] for r in rows if r["ranks"] == p})
         fine = [1 + i / 10 for i in range(10 * (max(ms) - 1) + 1)]
@@ -171,6 +183,8 @@ def plot_bubble(rows, path):
                 label="(p-1)/(m+p-1)")
         ax.plot(fine, [bubble_formula(p, m, "naive") for m in fine], "k:", lw=1,
                 label="(p-1)/p (naive)")
+        ax.plot(fine, [bubble_formula(p, m, "zb-h1") for m in fine], "k--", lw=1,
+                label="zb-h1: (p-1)/(3m+p-1) for m >= p")
         for name in SCHEDULE_NAMES:
             pts = [r for r in rows if r["ranks"] == p and r["schedule"] == name]
             ax.plot([r["m"] for r in pts], [r["bubble_measured"] for r in pts], markers[name],
@@ -204,12 +218,13 @@ def plot_memory(rows, path, p, m):
         xs = [r["stage"] + (i - (len(names) - 1) / 2) * width for r in pts]
         ax.bar(xs, [r["peak_stash_bytes"] / 2**20 for r in pts], width, label=f"{name} measured")
         ax.plot(xs, [r["predicted_stash_bytes"] / 2**20 for r in pts], "k_", ms=16, mew=2)
-    ax.plot([], [], "k_", ms=12, mew=2, label="predicted: in flight x one micro-batch")
+    ax.plot([], [], "k_", ms=12, mew=2, label="predicted: in flight x one micro-batch (zb-h1: "
+            "what W needs from B to W)")
     ax.set_xticks(range(p))
     ax.set_xticklabels([f"stage {s}" for s in range(p)])
     ax.set_ylabel("peak stashed activations (MiB)")
-    ax.set_title(f"activation memory per stage, P = {p}, m = {m}: GPipe stashes m, 1F1B p - r",
-                 fontsize=10)
+    ax.set_title(f"activation memory per stage, P = {p}, m = {m}: GPipe stashes m, 1F1B p - r, "
+                 "ZB-H1 p on every stage", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     save_figure(fig, path)
@@ -273,7 +288,7 @@ def main(argv=None):
                 serial_step_ms=round(serial[(p, m)] * 1e3, 3),
                 speedup_vs_serial=round(serial[(p, m)] / res["step_s"], 3),
                 peak_stash_bytes=res["peaks"][stage], in_flight=res["in_flight"][stage],
-                predicted_stash_bytes=res["in_flight"][stage] * res["per_micro"][stage],
+                predicted_stash_bytes=res["predicted"][stage],
                 steps_timed=args.steps))
     path = write_csv("pp.csv", rows, args.out)
     per_config = [r for r in rows if r["stage"] == 0]
@@ -290,9 +305,17 @@ def main(argv=None):
               f"{r['speedup_vs_serial']:7.2f}  {peaks}"
               + ("  (oversubscribed)" if r["oversubscribed"] else ""))
     worst = max(abs(r["bubble_measured"] - r["bubble_formula"]) for r in per_config
-                if r["ranks"] == 2 and r["schedule"] != "naive")
+                if r["ranks"] == 2 and r["schedule"] in ("gpipe", "1f1b"))
     print(f"target: at P=2 gpipe/1f1b within 0.05 of (p-1)/(m+p-1): worst gap {worst:.3f}, "
           f"{'met' if worst <= 0.05 else 'NOT met'}")
+    by = {(r["ranks"], r["m"], r["schedule"]): r for r in per_config}
+    for (p, m, name), zb in by.items():  # the same launch, the same rounds: side by side
+        if name == "zb-h1" and (p, m, "1f1b") in by:
+            one = by[p, m, "1f1b"]
+            print(f"zb-h1 vs 1f1b, P={p} m={m}: bubble {zb['bubble_measured']:.3f} vs "
+                  f"{one['bubble_measured']:.3f} (formulas {zb['bubble_formula']:.3f} vs "
+                  f"{one['bubble_formula']:.3f}), step {zb['step_ms']:.1f} vs "
+                  f"{one['step_ms']:.1f} ms ({zb['step_ms'] / one['step_ms']:.2f}x)")
     mismatch = [r for r in rows if r["peak_stash_bytes"] != r["predicted_stash_bytes"]]
     print(f"peak stash equals the prediction on every stage: {not mismatch}")
     wrote(path, *pngs)

@@ -4,9 +4,13 @@ For every schedule x micro-batch count x model (an MLP of 9 layers, a GPT of 5),
 the loss of every step and every parameter after 3 steps equal the serial trainer's (relative
 error <= 1e-10); the peak stash of activations each stage measures equals the schedule's
 peak number of micro-batches in flight times the stash of one micro-batch; the parameters
-gathered to rank 0 are the whole serial model. Interleaved 1F1B (2 chunks per rank, m in
-{4, 8}, on 2 and 4 ranks, the GPT with 6 blocks so that 4 ranks get 8 pieces): the same, with
-the stash predicted chunk by chunk. Also: a hand-set --partition, the header check of a
+gathered to rank 0 are the whole serial model. ZB-H1 (B and W apart) also ends with exactly
+1F1B's parameters, bit for bit (the same arithmetic, the gradients summed in the same order),
+and its stash is predicted instruction by instruction (schedules.peak_stash): a forward adds
+one micro-batch's stash, its B swaps that for what its W needs (both measured on one
+micro-batch), its W frees it. Interleaved 1F1B (2 chunks per rank, m in {4, 8}, on 2 and 4
+ranks, the GPT with 6 blocks so that 4 ranks get 8 pieces): the same, with the stash
+predicted chunk by chunk. Also: a hand-set --partition, the header check of a
 message, and (on one rank) the partition by FLOPs. --quick runs a subset.
 """
 
@@ -21,7 +25,16 @@ from mpipar import comm as C
 from mpipar import pipeline as PP
 from mpipar import plan, serial
 from mpipar.grid import Grid
-from mpipar.schedules import SCHEDULES, Backward, Forward, interleaved, peak_in_flight
+from mpipar.schedules import (
+    SCHEDULES,
+    SPLIT,
+    Backward,
+    Forward,
+    interleaved,
+    peak_in_flight,
+    peak_stash,
+    stage_schedule,
+)
 
 C.install_excepthook()
 quick = "--quick" in sys.argv
@@ -36,15 +49,18 @@ MODELS = {
 }
 
 
-def stash_of_one_micro_batch(task, bounds, m):
-    """Bytes a fresh copy of this stage caches for micro-batch 0 alone (serial probe)."""
+def stash_of_one_micro_batch(task, bounds, m, after_b=False):
+    """Bytes a fresh copy of this stage caches for micro-batch 0 alone (serial probe): after
+    its forward, or ``after_b``, after its B too (what its W needs)."""
     model = task.build_model().init(task.args.seed)
     x, _ = task.to_device(*task.batch(0))
     a = PP.micro_batches(x, m)[0]
     for _, layer in model.layers[:bounds[0]]:
         a = layer.forward(a, 0)
     probe = PP.build_stage(task.build_model(), bounds, task.args.seed)
-    probe.forward(a, 0)
+    y = probe.forward(a, 0)
+    if after_b:
+        probe.backward_input(np.ones_like(y), 0)
     return probe.cached_bytes()
 
 
@@ -92,17 +108,33 @@ def check_gathered(name, held, ref_params):
 
 
 def check(task, ref_losses, ref_params, schedule, m, partition=None, gather=False):
+    """One schedule against the serial trainer; returns this rank's trained stage."""
     name = f"{task.kind} {schedule} m={m} partition={partition}"
     counts, _ = plan.plan_stages(task, P, m, partition)
     bounds = plan.stage_bounds(counts)[r]
     stage = PP.build_stage(task.build_model(), bounds, task.args.seed)
-    instructions = SCHEDULES[schedule](P, r, m)
+    instructions = stage_schedule(schedule, P, r, m)
     peak = train_and_compare(name, task, stage, instructions, m, ref_losses, ref_params)
-    if task.args.batch_size % m == 0:  # equal micro-batches: the prediction is a product
+    if task.args.batch_size % m == 0 and schedule not in SPLIT:  # the prediction is a product
         want = peak_in_flight(instructions) * stash_of_one_micro_batch(task, bounds, m)
         assert peak == want, f"{name}: rank {r} stashed {peak} bytes, schedule predicts {want}"
+    elif task.args.batch_size % m == 0:  # each micro-batch in flight held until its W
+        stash_f, stash_w = (stash_of_one_micro_batch(task, bounds, m, b) for b in (False, True))
+        want = peak_stash(instructions, stash_f, stash_w)
+        assert peak == want > 0, f"{name}: rank {r} stashed {peak} bytes, schedule predicts {want}"
+        assert peak_in_flight(instructions) == min(P, m), name
     if gather:
         check_gathered(name, stage, ref_params)
+    return stage
+
+
+def check_zero_bubble(task, ref_losses, ref_params, m):
+    """ZB-H1 against the serial trainer, and bit for bit against 1F1B's parameters."""
+    one_f_one_b = check(task, ref_losses, ref_params, "1f1b", m)
+    zb = check(task, ref_losses, ref_params, "zb-h1", m, gather=m == 2)
+    for (pname, a), (_, b) in zip(one_f_one_b.named_parameters(), zb.named_parameters()):
+        assert np.array_equal(B.to_numpy(a.data), B.to_numpy(b.data)), \
+            f"{task.kind} zb-h1 m={m}: rank {r} {pname} differs from 1F1B's"
 
 
 def check_interleaved(task, ref_losses, ref_params, m, v=2):
@@ -176,6 +208,8 @@ for flags in MODELS.values():
     for schedule in schedules:
         for m in micro_counts:
             check(task, ref_losses, ref_params, schedule, m, gather=(schedule, m) == ("1f1b", 2))
+    for m in micro_counts:
+        check_zero_bubble(task, ref_losses, ref_params, m)
     n_layers = len(task.build_model().layers)
     by_hand = ",".join(map(str, [n_layers - P + 1] + [1] * (P - 1)))  # all but P-1 on stage 0
     check(task, ref_losses, ref_params, "1f1b", 2, partition=by_hand, gather=True)
