@@ -12,7 +12,7 @@ export OMP_NUM_THREADS := 1
 export OPENBLAS_NUM_THREADS := 1
 export MKL_NUM_THREADS := 1
 
-.PHONY: install demo test lint report clean
+.PHONY: install demo cluster-demo test lint report clean
 
 install: $(STAMP)
 
@@ -24,6 +24,14 @@ $(STAMP): setup.cfg pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/mpirun -n $(NP) $(BIN)/python -m mpipar.pipeline
+
+# Two emulated hosts (network namespaces, so it needs root) joined by a 1 Gbit/s link: the
+# ping-pong within a host and across the link, then data parallelism with 2 ranks per host.
+# mpipar.cluster removes the hosts again, also when the run fails or is interrupted.
+cluster-demo: $(STAMP)
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m mpipar.cluster --hosts 2 --bandwidth 1gbit \
+	    sh -c "mpirun -n 4 python -m mpipar.bench.link --pingpong && \
+	           mpirun -n 4 python -m mpipar.data_parallel --sync allreduce --quiet"
 
 lint: $(STAMP)
 	$(BIN)/ruff check mpipar tests

@@ -1,0 +1,229 @@
+"""The emulated cluster (mpipar.cluster): every scheme trains across emulated hosts exactly as the
+serial trainer does; a hybrid's tensor-parallel groups stay inside a host while data or pipeline
+parallelism crosses the link; the link is real (latency above shared memory's, a 100 Mbit/s
+limit that a 1 MiB message feels); bad input is refused with exit code 2; and no namespace or
+link outlives a run: not after a normal end, a refusal, SIGTERM or SIGINT, and not after a
+SIGKILL (the next start removes what was left).
+
+Tests that need namespaces skip, with the reason, where they cannot be made (not root, no
+``ip``); a missing mpirun is an error, as everywhere in the suite.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import MPI_SCRIPTS, ROOT, assert_matches_serial, find_mpirun
+
+from mpipar import cluster
+from mpipar.bench import link
+
+REASON = cluster.unavailable()
+needs_hosts = pytest.mark.skipif(REASON is not None, reason=f"cannot emulate hosts: {REASON}")
+
+MLP = ["--model", "mlp", "--data", "synthetic", "--samples", "256", "--sizes", "64,16,16,10",
+       "--batch-size", "16", "--steps", "3", "--dtype", "float64", "--quiet"]  # no sklearn import
+TINY_GPT = ["--model", "gpt", "--d-model", "8", "--n-heads", "2", "--n-layers", "2",
+            "--seq-len", "8", "--batch-size", "8", "--steps", "3", "--dtype", "float64",
+            "--quiet"]
+ENV = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+
+
+def cluster_command(command, hosts=2, bandwidth="none"):
+    return [sys.executable, "-m", "mpipar.cluster", "--hosts", str(hosts), "--bandwidth",
+            bandwidth, *map(str, command)]
+
+
+def on_cluster(command, hosts=2, bandwidth="none", timeout=90, check=True):
+    """Run ``python -m mpipar.cluster ... COMMAND``; the CompletedProcess."""
+    find_mpirun()  # a missing mpirun is an error, not a skip
+    cmd = cluster_command(command, hosts, bandwidth)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV,
+                              cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"deadlock? `{' '.join(cmd)}` did not finish in {timeout} s")
+    if check and proc.returncode != 0:
+        pytest.fail(f"`{' '.join(cmd)}` exited {proc.returncode}\n--- stdout\n{proc.stdout}\n"
+                    f"--- stderr\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture
+def leaves_nothing():
+    """After the test: no namespace, no link, no run folder of the cluster's."""
+    yield
+    assert cluster.namespaces() == [] and cluster.links() == [], \
+        (cluster.namespaces(), cluster.links())
+    assert not cluster.RUN_DIR.exists()
+
+
+def mpirun_n(n, *program):
+    return ["mpirun", "-n", str(n), sys.executable, *program]
+
+
+# ----------------------------------------------------------------------------- every scheme
+SCHEMES = {
+    "dp master": (4, ["-m", "mpipar.data_parallel", "--sync", "master"], MLP),
+    "dp ring": (4, ["-m", "mpipar.data_parallel", "--sync", "ring", "--micro-batches", "2"], MLP),
+    "dp allreduce, buckets, overlap": (4, ["-m", "mpipar.data_parallel", "--sync", "allreduce",
+                                           "--bucket-mb", "0.002", "--overlap"], MLP),
+    "tensor parallel": (2, ["-m", "mpipar.tensor_parallel"], TINY_GPT),
+    "pipeline 1f1b": (4, ["-m", "mpipar.pipeline", "--micro-batches", "4", "--timeline",
+                          "none"], MLP),
+    "hybrid tp in a host, dp across": (4, ["-m", "mpipar.hybrid", "--dp", "2", "--tp", "2"],
+                                       TINY_GPT),
+    "hybrid tp in a host, pp across": (4, ["-m", "mpipar.hybrid", "--pp", "2", "--tp", "2",
+                                           "--micro-batches", "2"], TINY_GPT),
+}
+
+
+@needs_hosts
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_every_scheme_across_hosts_equals_serial(scheme, tmp_path, capsys, leaves_nothing):
+    n, program, flags = SCHEMES[scheme]
+    saved = tmp_path / "params.npz"
+    bandwidth = "1gbit" if "hybrid" in scheme else "none"  # the token bucket changes nothing
+    out = on_cluster(mpirun_n(n, *program, *flags, "--save-params", saved),
+                     bandwidth=bandwidth).stdout
+    assert out.startswith("emulated cluster: node0 10.77.0.1, node1 10.77.0.2"), out
+    assert_matches_serial(out, flags, saved, tmp_path, capsys)
+
+
+@needs_hosts
+@pytest.mark.parametrize("dp,tp,pp", [(2, 2, 1), (1, 2, 2)])
+def test_hybrid_keeps_tensor_parallel_groups_inside_a_host(dp, tp, pp, leaves_nothing):
+    out = on_cluster(mpirun_n(4, MPI_SCRIPTS / "cluster_layout.py", dp, tp, pp)).stdout
+    assert "ranks on ['node0', 'node0', 'node1', 'node1']" in out, out
+
+
+@needs_hosts
+def test_a_layout_that_splits_a_tensor_parallel_group_is_caught(leaves_nothing):
+    """The check above can fail: tp 4 on 2 hosts puts one group on both."""
+    proc = on_cluster(mpirun_n(4, MPI_SCRIPTS / "cluster_layout.py", 1, 4, 1), check=False)
+    assert proc.returncode != 0 and "tp group on hosts" in proc.stderr
+
+
+# ----------------------------------------------------------------------------- the link
+@needs_hosts
+def test_the_link_is_real(leaves_nothing):
+    """At 100 Mbit/s: an 8-byte message between hosts (TCP through the namespaces) takes well
+    over one within a host (MPICH's shared memory), and a 1 MiB message between hosts at least
+    about 8 * 2**20 / 100e6 s (84 ms), while within a host it takes a few ms at most. The
+    least time of the round trips is compared: other work on the machine only adds time."""
+    out = on_cluster(mpirun_n(4, "-m", "mpipar.bench.link", "--pingpong", "--repeats", "3"),
+                     bandwidth="100mbit").stdout
+    pairs = link.read_pairs(out)
+    same, across = pairs["same host"], pairs["across hosts"]
+    assert across["8 B least"] > 2 * same["8 B least"], out
+    assert across["1 MiB least"] >= 0.9 * 8 * 2**20 / 100e6, out
+    assert same["1 MiB least"] < 0.02, out
+    assert "link: 100 Mbit/s" in out
+
+
+def test_rates_read_as_tc_writes_them():
+    assert cluster.parse_rate("1gbit") == 10**9
+    assert cluster.parse_rate("100mbit") == 10**8
+    assert cluster.parse_rate("2.5Gbit") == 25 * 10**8
+    assert cluster.parse_rate("none") is None
+    assert cluster.format_rate(10**9) == "1 Gbit/s" and cluster.format_rate(2.5e8) == "250 Mbit/s"
+    assert cluster.burst_bytes(10**9) == 125000 and cluster.burst_bytes(10**8) == 16384
+
+
+# ----------------------------------------------------------------------------- bad input
+BAD = {
+    "a bandwidth that is no rate": (["--bandwidth", "fast"], 4, "'fast' is not a rate"),
+    "megabytes, not bits": (["--bandwidth", "100mbps"], 4, "'100mbps' is not a rate"),
+    "a zero rate": (["--bandwidth", "0gbit"], 4, "is not a rate"),
+    "one host": (["--hosts", "1"], 4, "a cluster has 2 to 64 hosts"),
+    "ranks not divisible over hosts": (["--hosts", "2"], 3, "3 ranks cannot be spread evenly"),
+    "fewer ranks than hosts": (["--hosts", "4"], 2, "2 ranks cannot be spread evenly"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_is_refused(case):
+    """Refused before anything is built, so this needs no root: one line, exit code 2."""
+    flags, n, message = BAD[case]
+    proc = subprocess.run([sys.executable, "-m", "mpipar.cluster", *flags, "mpirun", "-n",
+                           str(n), "hostname"], capture_output=True, text=True, timeout=30,
+                          env=ENV, cwd=ROOT)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert message in proc.stderr and proc.stderr.count("error:") == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+@needs_hosts
+def test_an_mpirun_inside_a_script_is_checked_too(leaves_nothing):
+    """The mpirun on the command's PATH refuses an uneven -n itself; its code comes back."""
+    proc = on_cluster(["sh", "-c", "mpirun -n 3 hostname"], check=False)
+    assert proc.returncode == 2 and "3 ranks cannot be spread evenly" in proc.stderr
+
+
+# ----------------------------------------------------------------------------- cleaning up
+def rank_pids():
+    """pids of the processes inside the emulated hosts (hydra's proxies and the ranks)."""
+    return {int(pid) for ns in cluster.namespaces()
+            for pid in cluster.sh("ip", "netns", "pids", ns, check=False).split()}
+
+
+def start_long_run(tmp_path):
+    """A cluster whose 2 ranks train for a long time; returns it once both ranks are up. Its
+    output goes to a file: a pipe would stay open in whatever a SIGKILL leaves running."""
+    find_mpirun()
+    with open(tmp_path / "out.txt", "w") as out:
+        proc = subprocess.Popen(cluster_command(mpirun_n(2, "-m", "mpipar.data_parallel",
+                                                         "--steps", "1000000", "--quiet")),
+                                stdout=out, stderr=subprocess.STDOUT, env=ENV, cwd=ROOT)
+    deadline = time.time() + 30
+    while len(rank_pids()) < 4:  # 2 proxies, 2 ranks
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"the ranks did not start:\n{(tmp_path / 'out.txt').read_text()}")
+        time.sleep(0.2)
+    time.sleep(2)  # the ranks are inside MPI_Init or training now
+    return proc, rank_pids()
+
+
+def alive(pids):
+    """The pids still running (a zombie has ended; only its parent has not read its code yet)."""
+    def running(pid):
+        try:
+            return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    return {pid for pid in pids if running(pid)}
+
+
+@needs_hosts
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_ends_the_run_and_removes_the_hosts(sig, tmp_path, leaves_nothing):
+    proc, pids = start_long_run(tmp_path)
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"the cluster did not end within 20 s of {sig.name}")
+    assert proc.returncode == 128 + sig
+    assert not alive(pids)
+
+
+@needs_hosts
+def test_the_next_start_removes_what_a_killed_run_left(tmp_path, leaves_nothing):
+    proc, pids = start_long_run(tmp_path)
+    proc.kill()  # SIGKILL: no clean-up of its own
+    proc.wait()
+    pids |= cluster.leftovers()  # with its mpiexec, an orphan on the launching node now
+    assert cluster.namespaces() and cluster.links() and alive(pids)  # all left behind
+    out = on_cluster(mpirun_n(2, "-c", "from mpi4py import MPI; "
+                                       "print(MPI.Get_processor_name())")).stdout
+    assert "node0" in out.split("\n", 1)[1] and "node1" in out, out
+    deadline = time.time() + 10
+    while alive(pids) and time.time() < deadline:  # killed by pid, reaped by their parents
+        time.sleep(0.1)
+    assert not alive(pids)
