@@ -148,6 +148,29 @@ def optimizers_of(trainer):
 
 
 # ----------------------------------------------------------------------------- writing
+def save_params(path, named_arrays):
+    """Write {canonical name: array} to an .npz file (plain arrays, no pickle), atomically:
+    into a temporary file, flushed to disk, then renamed over ``path``, so a kill during the
+    write leaves the previous file whole. Returns the path written (".npz" added if absent)."""
+    path = path if path.endswith(".npz") else path + ".npz"  # as np.savez names it
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, **{name: B.to_numpy(a) for name, a in named_arrays})
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):  # the write failed: the previous file is untouched
+            os.remove(tmp)
+    return path
+
+
+def load_params(path):
+    with np.load(path, allow_pickle=False) as f:
+        return {k: f[k] for k in f.files}
+
+
 def model_config(a):
     """What must match for a checkpoint to continue this run exactly."""
     shape = {"sizes": a.sizes, "data": a.data, "samples": a.samples} if a.model == "mlp" else \

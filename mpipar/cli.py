@@ -15,7 +15,7 @@ from mpi4py import MPI
 from mpipar import backend as B
 from mpipar import comm, serial
 from mpipar.plan import activation_bytes, memory_bytes
-from mpipar.schedules import CHOICES, SCHEDULES
+from mpipar.schedules import CHOICES, SCHEDULES, SPLIT
 from mpipar.tp_models import tp_size_problem
 
 SCHEMES = ("serial", "data_parallel", "tensor_parallel", "pipeline", "hybrid")
@@ -48,6 +48,8 @@ def common_flags(ap, scheme):
     g.add_argument("--recompute", action="store_true",
                    help="keep only each layer's (each stage's) input and run its forward again "
                         "in the backward: less memory, one more forward")
+    g.add_argument("--memory", action="store_true",
+                   help="after training, print every rank's bytes by kind, counted from its arrays")
     c = ap.add_argument_group("checkpoints and failures")
     c.add_argument("--checkpoint", metavar="DIR",
                    help="write a checkpoint into DIR at the end (and every --checkpoint-every)")
@@ -243,6 +245,10 @@ FLAG_RULES = [
      "--chunks {a.chunks} needs --schedule interleaved ({a.schedule} runs one model chunk "
      "per rank)"),
     (PP, lambda a: a.chunks <= 0, "--chunks must be positive, got {a.chunks}"),
+    (PP, lambda a: a.schedule in SPLIT and a.recompute,
+     "--schedule {a.schedule} runs each backward as B and W apart, but --recompute runs a "
+     "stage's backward whole (recompute.Recomputed does not split it): every W would be "
+     "empty and fill no bubble; drop one of the two"),
     (PP, lambda a: a.stages <= 0, "--stages must be positive, got {a.stages}"),
     (PP, lambda a: a.micro_batches > a.batch_size,
      "--micro-batches {a.micro_batches} exceeds --batch-size {a.batch_size}: a micro-batch "

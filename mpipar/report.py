@@ -37,7 +37,7 @@ from mpipar.validate import (  # noqa: E402
     validation_rows,
 )
 
-BENCHES = ["engine", "flops", "net", "dp", "tp", "pp", "hybrid", "ckpt"]
+BENCHES = ["engine", "flops", "net", "dp", "tp", "pp", "hybrid", "ckpt", "memory"]
 
 
 def _true(value):

@@ -229,6 +229,52 @@ def checkpoint_section():
     ]
 
 
+def memory_section():
+    """What each rank holds, counted by the memory ledger (memory_bench.csv), when measured."""
+    if not (PLOTS / "memory_bench.csv").exists():
+        return []
+    rows = {(r["experiment"], int(r["ranks"]), r["config"], int(r["rank"])): r
+            for r in read_csv("memory_bench.csv")}
+    mib = lambda r, *keys: f"{sum(_f(r, k) for k in keys) / 2**20:.2f} MiB"  # noqa: E731
+    ms = lambda r: (f"{_f(r, 'step_ms'):.0f} ms ({_f(r, 'step_ms_min'):.0f}-"  # noqa: E731
+                    f"{_f(r, 'step_ms_max'):.0f})")
+    state = ("params_bytes", "grads_bytes", "optimizer_bytes")
+    z, z2 = ({k: rows["zero", p, f"ZeRO-{k}", 0] for k in range(4)} for p in (4, 2))
+    off, on = (rows["pipeline", 4, f"recompute {w}", 0] for w in ("off", "on"))
+    return [
+        "## Memory per rank",
+        "",
+        "![memory per rank](memory_bench.png)",
+        "",
+        "`mpipar/memory.py` counts what each rank holds from the arrays it references, each "
+        "buffer once (`python -m mpipar.bench memory`, `memory_bench.csv`). The GPT of "
+        f"{int(z[0]['params']):,} parameters with Adam in float32 on 4 ranks: parameters, "
+        "gradients and optimizer state take " + ", ".join(
+            f"{mib(z[k], *state)} a rank with ZeRO-{k} (formula {mib(z[k], 'formula_bytes')})"
+            for k in range(4)) + ". ZeRO-1 and -2 hold more than their formula: each rank "
+        "keeps its shard as a Parameter of its own, a second copy of its block of values "
+        "(ZeRO-1 of its summed gradient too); ZeRO-0 and -1 also keep the flat buffer of Step "
+        f"1's Bcast ({mib(z[0], 'buffers_bytes')}), ZeRO-1 beside it the padded buffer of its "
+        f"collectives ({mib(z[1], 'buffers_bytes')} of buffers in all). The most a rank held "
+        "at once in a step: " + ", ".join(f"{mib(z[k], 'peak_bytes')} with ZeRO-{k}"
+                                         for k in range(4))
+        + " (ZeRO-2's includes the whole gradient during the backward, ZeRO-3's one layer "
+        f"gathered at a time), beside {mib(z[0], 'activations_bytes')} of activations.",
+        "",
+        f"Step time, median over rounds (min-max), with a load average of "
+        f"{_f(z[0], 'loadavg_1min'):.1f} from other work when the run began: on 2 ranks ZeRO-0 "
+        f"{ms(z2[0])}, ZeRO-3 {ms(z2[3])}; on 4 ranks (oversubscribed) {ms(z[0])} and "
+        f"{ms(z[3])}.",
+        "",
+        f"Recomputation on a 4-stage pipeline (1F1B, 8 micro-batches): stage 0 held "
+        f"{mib(off, 'activations_bytes')} of activations at their peak without it and "
+        f"{mib(on, 'activations_bytes')} with it (the batch's token ids); its step peak fell "
+        f"from {mib(off, 'peak_bytes')} to {mib(on, 'peak_bytes')}; a step took {ms(on)} with "
+        f"it, {ms(off)} without.",
+        "",
+    ]
+
+
 def cost_model_section(validation):
     inside = [r for r in validation if abs(r["error"]) <= 0.2]
     fair = [r for r in validation if not r["oversubscribed"]]  # a core per rank
@@ -304,7 +350,7 @@ def write_report(validation, extrapolation, bench_times):
     lines = (header(env, bench_times) + engine_section(env) + speedup_section(dp)
              + allreduce_section() + data_parallel_section(dp) + pipeline_section()
              + tensor_parallel_section() + layouts_section() + checkpoint_section()
-             + cost_model_section(validation)
+             + memory_section() + cost_model_section(validation)
              + extrapolation_section(extrapolation))
     path = PLOTS / "REPORT.md"
     path.write_text("\n".join(lines))

@@ -19,7 +19,9 @@ device, and alpha (seconds per message) and beta (seconds per byte) of its links
   the bubble comes out of the replay, not out of the closed formula (p-1)/(m+p-1);
 - data-parallel gradient allreduce once per step (ring over d ranks, not overlapped);
 - memory per rank: parameters, gradients, optimizer state (Adam: 2 values per parameter,
-  divided by d with ZeRO-1) and the activations of the most micro-batches a stage stashes.
+  divided by d with ZeRO-1; ZeRO-2 divides the gradients too, ZeRO-3 the parameters too, in
+  memory only: the step time models ZeRO-1's) and the activations of the most micro-batches a
+  stage stashes.
 
 - ranks that share cores (more ranks than cores, as on a small build machine): given a table
   {k: speed of a rank while k compute}, the replay shares the cores among the stages that
@@ -291,8 +293,8 @@ def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f
     peak = [schedules.peak_in_flight(ins) for ins in lists]
     params = max(stage_params)
     memory = dict(
-        params=params * dtype_bytes,
-        grads=params * dtype_bytes,
+        params=params * dtype_bytes / (dp if zero >= 3 else 1),
+        grads=params * dtype_bytes / (dp if zero >= 2 else 1),
         # Adam's m and v in float32, plus a float32 master copy of 16-bit weights: 12 bytes
         # per parameter in mixed precision (16 with the 16-bit weights and gradients, ZeRO)
         optimizer=params * (8 + (4 if dtype_bytes < 4 else 0)) / (dp if zero else 1),

@@ -28,10 +28,11 @@ import numpy as np
 from mpi4py import MPI
 
 from mpipar import backend as B
-from mpipar import checkpoint, clip, comm, recompute, serial
+from mpipar import checkpoint, clip, comm, memory, recompute, serial
+from mpipar.checkpoint import load_params, save_params  # noqa: F401 (tests load with train's)
 from mpipar.cli import SCHEMES, check_model, layer_names, parse_args
 from mpipar.grid import Grid
-from mpipar.schedules import bubble_formula, format_schedule, peak_in_flight
+from mpipar.schedules import SPLIT, bubble_formula, format_schedule, peak_in_flight
 from mpipar.trace import TRACE, gantt, median_bubble, median_step, step_summary
 
 DRAWN = ("forward", "backward", "optimizer")  # trace kinds on the timeline; the rest is idle
@@ -141,7 +142,7 @@ class PipelineReport(Report):
         steps = f"steps {first + skip + 1}..{a.steps}" if a.steps > first + skip + 1 else \
             f"step {a.steps}" + (", the only one" if kept == 1 else "")
         after = [f"bubble measured from the trace {median_bubble(summaries, skip):.3f} (median "
-                 f"over {steps}), " + ("(p-1)/(m+p-1)" if v == 1 else "(p-1)/(v*m+p-1)")
+                 f"over {steps}), " + formula_text(a.schedule, p, m, v)
                  + f" = {bubble_formula(p, m, a.schedule, v):.3f}{shared}",
                  "peak activation stash per stage: " + ", ".join(
                      f"{_fmt_bytes(b)} ({k} {'chunk ' if v > 1 else ''}micro-batch"
@@ -188,6 +189,14 @@ class HybridReport(Report):
 REPORTS = {"serial": Report, "data_parallel": DataParallelReport,
            "tensor_parallel": TensorParallelReport, "pipeline": PipelineReport,
            "hybrid": HybridReport}
+
+
+def formula_text(schedule, p, m, v):
+    """How the pipeline's bubble formula reads for this schedule (its value follows)."""
+    if schedule in SPLIT:
+        return "(p-1)/(3m+p-1)" if m >= p else "(2p-m-1)/(2m+2p-1)"
+    return "(p-1)/p" if schedule == "naive" else \
+        "(p-1)/(m+p-1)" if v == 1 else "(p-1)/(v*m+p-1)"
 
 
 def _fmt_bytes(n):
@@ -306,29 +315,6 @@ def final_line(metrics, loss):
     return ", ".join(parts)
 
 
-def save_params(path, named_arrays):
-    """Write {canonical name: array} to an .npz file (plain arrays, no pickle), atomically:
-    into a temporary file, flushed to disk, then renamed over ``path``, so a kill during the
-    write leaves the previous file whole. Returns the path written (".npz" added if absent)."""
-    path = path if path.endswith(".npz") else path + ".npz"  # as np.savez names it
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            np.savez(f, **{name: B.to_numpy(a) for name, a in named_arrays})
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):  # the write failed: the previous file is untouched
-            os.remove(tmp)
-    return path
-
-
-def load_params(path):
-    with np.load(path, allow_pickle=False) as f:
-        return {k: f[k] for k in f.files}
-
-
 def main(scheme, argv=None):
     """Run ``scheme`` with the command line ``argv``: parse and check, build, train, finish."""
     comm.install_excepthook()
@@ -359,6 +345,7 @@ def main(scheme, argv=None):
         clip.apply(trainer, a.clip_grad)
     start, loss = checkpoint.load(a.resume, trainer, a) if a.resume else (0, None)
     report = REPORTS[scheme](a, task, trainer, grid, start)
+    probe = memory.Probe(trainer) if a.memory else None  # counts through the first step
     comm.log(report.header() + (f"\nresumed from {a.resume} after step {start}" if a.resume
                                 else ""))
     with np.errstate(over="ignore", invalid="ignore"):  # a diverging run stops with one line
@@ -367,6 +354,8 @@ def main(scheme, argv=None):
     params = trainer.full_params()  # narrated: a scheme's last step gathers the model
     comm.EXPLAIN = False
     lines = report.lines()  # a collective: every rank takes part
+    if probe is not None:  # a collective too: the table of every rank's ledger
+        lines[1].extend(memory.lines(probe, a, task, grid))
     if MPI.COMM_WORLD.Get_rank() != 0:
         return
     before, after = lines

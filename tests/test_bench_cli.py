@@ -58,6 +58,8 @@ def worker_flags(monkeypatch, name, argv, via_dispatcher=False):
     ("flops", ["--quick", "--repeats", "9"], {"--repeats": "9"}),
     ("flops", ["--quick"], {"--repeats": "5"}),
     ("flops", [], {"--repeats": "15"}),
+    ("memory", ["--quick", "--rounds", "4"], {"--rounds": "4", "--steps": "1"}),
+    ("memory", [], {"--rounds": "5", "--steps": "3", "--experiment": "zero"}),
 ])
 def test_a_flag_given_beside_quick_wins(name, argv, expected, monkeypatch):
     flags = worker_flags(monkeypatch, name, argv)

@@ -1,4 +1,4 @@
-"""python -m mpipar.bench {engine,flops,net,dp,pp,tp,hybrid,ckpt,overhead}: run one
+"""python -m mpipar.bench {engine,flops,net,dp,pp,tp,hybrid,ckpt,memory,overhead,link}: run one
 benchmark, write its CSV and pictures into --out DIR (default: a scratch folder; --out plots
 replaces the committed results, as make report does). Flags given beside --quick win over its
 shorter defaults."""
@@ -19,7 +19,9 @@ BENCHES = {
     "hybrid": "every DP x TP x PP layout of 4 ranks",
     "flops": "the FLOP rate per rank while 1, 2 or 4 ranks compute at once",
     "ckpt": "checkpoint write and read time per rank against the model's size",
+    "memory": "bytes each rank holds (the memory ledger) and step time: ZeRO 0-3, recomputation",
     "overhead": "the comm wrapper against raw mpi4py, the engine against bare NumPy (16-128 rows)",
+    "link": "across an emulated cluster's link (root): ping-pong and data-parallel step time",
 }
 
 
