@@ -51,9 +51,9 @@ def assert_equal_params(got, want):
         assert err <= 1e-10, (name, err)
 
 
-@pytest.mark.parametrize("chain", list(CHAINS))
-def test_a_run_resumed_on_other_layouts_equals_the_serial_run(chain, tmp_path, capsys):
-    flags, legs = CHAINS[chain]
+def run_chain(flags, legs, tmp_path, capsys):
+    """Each leg (ranks, scheme and its flags, steps) continues from the last one's checkpoint;
+    the end must equal an uninterrupted serial run. Returns the checkpoint folder."""
     ckpt, saved = tmp_path / "ckpt", tmp_path / "final.npz"
     for i, (ranks, scheme, steps) in enumerate(legs):
         args = ["-m", f"mpipar.{scheme[0]}", *scheme[1:], *flags, *COMMON, "--steps",
@@ -63,6 +63,12 @@ def test_a_run_resumed_on_other_layouts_equals_the_serial_run(chain, tmp_path, c
             assert f"resumed from {ckpt} after step {legs[i - 1][2]}" in out, out
     assert_equal_params(train.load_params(saved), serial_params(flags, legs[-1][2], tmp_path,
                                                                 capsys))
+    return ckpt
+
+
+@pytest.mark.parametrize("chain", list(CHAINS))
+def test_a_run_resumed_on_other_layouts_equals_the_serial_run(chain, tmp_path, capsys):
+    ckpt = run_chain(*CHAINS[chain], tmp_path, capsys)
     assert len(os.listdir(ckpt)) == 2  # --keep 2: the last two, no temporary folder left
 
 

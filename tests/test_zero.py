@@ -5,10 +5,8 @@ what the serial trainer reports and narrates each step; checkpoints move to and 
 import re
 
 import pytest
-from conftest import MPI_SCRIPTS, assert_matches_serial, assert_refused, run_mpi
-from test_checkpoint import COMMON, GPT, MLP, assert_equal_params, serial_params
-
-from mpipar import train
+from conftest import MPI_SCRIPTS, assert_matches_serial, assert_refused
+from test_checkpoint import GPT, MLP, run_chain
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
@@ -95,16 +93,7 @@ CHAINS = {
 def test_resumed_from_and_to_zero_2_and_3_equals_the_serial_run(chain, tmp_path, capsys):
     """serial -> ZeRO-2 on 2 ranks -> ZeRO-3 on 3 ranks -> serial: each leg continues from the
     last one's checkpoint, and the end equals an uninterrupted serial run."""
-    flags, legs = CHAINS[chain]
-    ckpt, saved = tmp_path / "ckpt", tmp_path / "final.npz"
-    for i, (ranks, scheme, steps) in enumerate(legs):
-        args = ["-m", f"mpipar.{scheme[0]}", *scheme[1:], *flags, *COMMON, "--steps",
-                str(steps), "--checkpoint", ckpt, "--save-params", saved]
-        out = run_mpi(ranks, args + (["--resume", ckpt] if i else []), timeout=120).stdout
-        if i:
-            assert f"resumed from {ckpt} after step {legs[i - 1][2]}" in out, out
-    assert_equal_params(train.load_params(saved), serial_params(flags, legs[-1][2], tmp_path,
-                                                                capsys))
+    run_chain(*CHAINS[chain], tmp_path, capsys)
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -10,7 +10,7 @@ alone: equal to MPI's Allreduce, 2(P-1) messages, 2(P-1)/P n bytes.
 import hashlib
 
 import numpy as np
-from reference import serial_run
+from reference import BUCKET, MODELS, serial_run
 
 from mpipar import backend as B
 from mpipar import comm as C
@@ -27,12 +27,6 @@ P, r = dp_comm.size, dp_comm.rank
 STEPS = 3
 TOL = 1e-10
 COMMON = ["--dtype", "float64", "--steps", str(STEPS), "--quiet"]
-MODELS = {  # 10 and 11 rows: uneven over 3 and 4 ranks (and 11 over 2)
-    "mlp": ["--model", "mlp", "--sizes", "64,16,12,10", "--batch-size", "10", "--lr", "0.1"],
-    "gpt": ["--model", "gpt", "--d-model", "16", "--n-heads", "2", "--n-layers", "2",
-            "--seq-len", "8", "--batch-size", "11"],
-}
-BUCKET = ["--bucket-mb", "0.002"]  # 2 KiB: several buckets in both models
 MODES = {
     "master": [],
     "master, 2 micro-batches": ["--micro-batches", "2"],

@@ -5,6 +5,14 @@ from mpipar import backend as B
 from mpipar import serial
 from mpipar.cli import parse_args
 
+# the data-parallel checks' models (dp_checks, zero_checks) and their gradient buckets
+MODELS = {  # 10 and 11 rows: uneven over 3 and 4 ranks (and 11 over 2)
+    "mlp": ["--model", "mlp", "--sizes", "64,16,12,10", "--batch-size", "10", "--lr", "0.1"],
+    "gpt": ["--model", "gpt", "--d-model", "16", "--n-heads", "2", "--n-layers", "2",
+            "--seq-len", "8", "--batch-size", "11"],
+}
+BUCKET = ["--bucket-mb", "0.002"]  # 2 KiB: several buckets in both models
+
 DATA = {}  # one data set per (model, seed), shared by every task of a script
 
 

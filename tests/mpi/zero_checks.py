@@ -15,7 +15,7 @@ rank holds no full parameter or gradient, only 1/P of them, and during a step on
 import hashlib
 
 import numpy as np
-from reference import make_task, serial_run
+from reference import BUCKET, MODELS, make_task, serial_run
 
 from mpipar import backend as B
 from mpipar import comm as C
@@ -31,12 +31,6 @@ STEPS = 3
 TOL = 1e-10
 W = 8  # bytes per float64 value
 COMMON = ["--dtype", "float64", "--steps", str(STEPS), "--quiet", "--sync", "allreduce"]
-MODELS = {  # 10 and 11 rows: uneven over 3 and 4 ranks (and 11 over 2)
-    "mlp": ["--model", "mlp", "--sizes", "64,16,12,10", "--batch-size", "10", "--lr", "0.1"],
-    "gpt": ["--model", "gpt", "--d-model", "16", "--n-heads", "2", "--n-layers", "2",
-            "--seq-len", "8", "--batch-size", "11"],
-}
-BUCKET = ["--bucket-mb", "0.002"]  # 2 KiB: several buckets in both models
 MODES = {
     "zero 2, sgd": ["--zero", "2", "--optim", "sgd"],
     "zero 2, adam, buckets": ["--zero", "2", "--optim", "adam", *BUCKET],
