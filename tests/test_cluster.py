@@ -110,15 +110,15 @@ def test_a_layout_that_splits_a_tensor_parallel_group_is_caught(leaves_nothing):
 # ----------------------------------------------------------------------------- the link
 @needs_hosts
 def test_the_link_is_real(leaves_nothing):
-    """At 100 Mbit/s: an 8-byte message between hosts (TCP through the namespaces) takes well
-    over one within a host (MPICH's shared memory), and a 1 MiB message between hosts at least
-    about 8 * 2**20 / 100e6 s (84 ms), while within a host it takes a few ms at most. The
-    least time of the round trips is compared: other work on the machine only adds time."""
+    """At 100 Mbit/s a 1 MiB message between hosts takes at least about 8 * 2**20 / 100e6 s
+    (84 ms), while within a host it takes a few ms at most; the least time of the round trips
+    is compared. (Small-message latency is not compared: with 4 ranks on 2 cores a same-host
+    8-byte round trip waits for a sleeping rank to wake, and read 9.7 us against 8.0 us across
+    hosts in one clean-clone run.)"""
     out = on_cluster(mpirun_n(4, "-m", "mpipar.bench.link", "--pingpong", "--repeats", "3"),
                      bandwidth="100mbit").stdout
     pairs = link.read_pairs(out)
     same, across = pairs["same host"], pairs["across hosts"]
-    assert across["8 B least"] > 2 * same["8 B least"], out
     assert across["1 MiB least"] >= 0.9 * 8 * 2**20 / 100e6, out
     assert same["1 MiB least"] < 0.02, out
     assert "link: 100 Mbit/s" in out
