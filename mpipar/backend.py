@@ -61,3 +61,26 @@ def cores():
     import os
 
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+# -- staging for MPI (mpipar.comm): a pip MPICH is not CUDA-aware, so device arrays go through
+# host memory
+def host(a):
+    """The array MPI reads: itself for NumPy; a host copy for CuPy (stream synchronised first)."""
+    if xp is np:
+        return a
+    synchronize()
+    return to_numpy(a)
+
+
+def host_out(a):
+    """A host buffer for MPI to write into, and the device array to copy it back to (None)."""
+    if xp is np:
+        return a, None
+    return np.empty(a.shape, a.dtype), a
+
+
+def copy_back(host, dev):
+    """Copy what MPI wrote into ``host`` to the device array ``dev`` (nothing for NumPy)."""
+    if dev is not None:
+        dev[...] = asarray(host)

@@ -6,24 +6,30 @@ Run any scheme under ``mpirun -n 4 python -m mpipar.<scheme>``; this module give
 1. uses the buffer (upper-case) API: arrays are never pickled;
 2. checks the array first: C-contiguous (a transposed view is accepted by MPI and arrives in
    the wrong order, so it is refused here), and of the expected shape and dtype;
-3. counts calls and logical payload bytes per operation (``stats``), see :meth:`Comm._count`;
+3. counts calls and logical payload bytes per operation (``stats``), see :class:`Comm`;
 4. records a timestamped span in :data:`mpipar.trace.TRACE` and, with ``--explain``, prints
-   a line naming the call, the partner ranks, the bytes and the time;
+   a line naming the call, the partner ranks, the bytes and the time (:mod:`mpipar.explain`);
 5. waits without burning a core when ranks outnumber cores: a blocking call is posted as its
-   non-blocking twin and polled with short sleeps, so the ranks that compute get the CPU.
+   non-blocking twin and completed by :func:`wait`, whose strategies :mod:`mpipar.waiting`
+   holds, with their measurements.
 
 It also keeps this rank's flight recorder (:data:`mpipar.failure.FLIGHT`: the last calls, and
 the one it waits in now) for the watchdog, and re-exports the ways a job ends from
 :mod:`mpipar.failure`: ``install_excepthook`` (one rank's exception ends the whole job),
 ``start_watchdog`` (so does a rank that waits too long) and ``refuse`` (bad input: exit code 2).
 ``MPIPAR_SSEND=1`` maps every send to a synchronous send, so that an ordering that only works
-while MPI buffers small messages deadlocks at once in the tests; ``MPIPAR_WAIT=spin|sleep``
-overrides the choice of wait below. Any other value of either is refused.
+while MPI buffers small messages deadlocks at once in the tests; ``MPIPAR_WAIT`` names the way
+a rank waits: ``spin`` (MPI's own Wait), ``backoff``, ``yield`` or ``sleep`` (see
+:mod:`mpipar.waiting`). Any other value of either is refused.
+
+The hot path costs little (a ping-pong of 8 bytes through :class:`Comm` against bare mpi4py:
+``python -m mpipar.bench overhead``): while a call is not narrated, the one string it formats
+is the partner text the flight recorder keeps ("-> rank 3"); the counters are dict entries; the
+flight recorder is a fixed-length deque (a ring kept in C, one append a call); and when the job
+waits with ``spin`` the blocking Send, Recv and Allreduce call MPI's blocking twin directly, in
+one Python frame plus one for the record (the others post the non-blocking twin and wait).
 """
 
-import os
-import sys
-import time
 from collections import defaultdict
 from itertools import accumulate
 
@@ -31,21 +37,14 @@ import numpy as np
 from mpi4py import MPI
 
 from mpipar import backend as B
+from mpipar import explain, waiting
 from mpipar.failure import FLIGHT, install_excepthook, refuse, start_watchdog  # noqa: F401
+from mpipar.failure import env_choice as _env
+from mpipar.metadata import PickledCalls
 from mpipar.trace import TRACE
 
 EXPLAIN = False  # set by a scheme's --explain: narrate every call on every rank
-
-
-def _env(name, allowed):
-    """The value of an environment variable that must be one of ``allowed`` (unset or empty:
-    None); anything else is refused on every rank, since every rank sees the same value."""
-    value = os.environ.get(name) or None
-    if value is not None and value not in allowed:
-        refuse(f"{name}={value!r}: expected {' or '.join(allowed)}, or unset")
-    return value
-
-
+_now = MPI.Wtime
 SSEND = _env("MPIPAR_SSEND", ("0", "1")) == "1"
 
 
@@ -57,24 +56,20 @@ def _ranks_per_core():
     return n_local / max(B.cores(), 1)
 
 
-# "sleep" when ranks outnumber cores, else "spin" (MPI's own Wait, lowest latency)
-WAIT = _env("MPIPAR_WAIT", ("spin", "sleep")) or ("sleep" if _ranks_per_core() > 1 else "spin")
+# waiting.DEFAULT_OVERSUBSCRIBED when ranks outnumber cores, else "spin" (MPI's own Wait)
+WAIT = _env("MPIPAR_WAIT", tuple(waiting.STRATEGIES)) or (
+    waiting.DEFAULT_OVERSUBSCRIBED if _ranks_per_core() > 1 else "spin")
 
 
 def wait(request, status=None, call=("", "MPI request", "", "")):
-    """Complete a request. In "sleep" mode, poll with Test and sleep between polls (10 us
-    growing to 200 us), so a waiting rank leaves its core to a rank that computes.
+    """Complete a request with the strategy ``WAIT`` names (:mod:`mpipar.waiting`): MPI's own
+    Wait ("spin"), or polls with Test between which a rank yields or sleeps, so that a waiting
+    rank leaves its core to a rank that computes when ranks outnumber cores.
 
     ``call`` (comm name, op, detail, what) is what the watchdog names if the wait never ends."""
-    FLIGHT.waiting = (MPI.Wtime(), *call)
+    FLIGHT.waiting = (_now(), *call)
     try:
-        if WAIT == "spin":
-            request.Wait(status)
-            return
-        delay = 1e-5
-        while not request.Test(status):
-            time.sleep(delay)
-            delay = min(2 * delay, 2e-4)
+        waiting.STRATEGIES[WAIT](request, status)
     finally:
         FLIGHT.waiting = None
 
@@ -94,36 +89,18 @@ def check_array(a, shape=None, dtype=None, what="array"):
         raise ValueError(f"{what}: dtype {a.dtype}, expected {np.dtype(dtype)}")
 
 
-def _host(a):
-    """The array MPI reads: itself for NumPy; a host copy for CuPy (stream synchronised first),
-    since a pip MPICH is not CUDA-aware."""
-    if B.xp is np:
-        return a
-    B.synchronize()
-    return B.to_numpy(a)
+def _direct(buf):
+    """True when a blocking call may go straight to MPI's blocking twin: MPI's own Wait is the
+    way to wait, and ``buf`` is a C-contiguous host array (anything else takes the checked,
+    posted path, which refuses it or stages it through host memory)."""
+    return WAIT == "spin" and type(buf) is np.ndarray and buf.flags.c_contiguous
 
 
-def _host_out(a):
-    """A host buffer for MPI to write into, and the device array to copy it back to."""
-    if B.xp is np:
-        return a, None
-    return np.empty(a.shape, a.dtype), a
-
-
-def _copy_back(host, dev):
-    if dev is not None:
-        dev[...] = B.asarray(host)
-
-
-def _about(what):
-    return f"  ({what})" if what else ""
-
-
-def _fmt_bytes(n):
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
+def _check_count(status, buf, source):
+    count = status.Get_count(MPI.BYTE)
+    if count != buf.nbytes:
+        raise ValueError(f"Recv from {source}: got {count} bytes, buffer of shape "
+                         f"{buf.shape} {buf.dtype} expects {buf.nbytes}")
 
 
 class Request:
@@ -132,10 +109,10 @@ class Request:
     def __init__(self, comm, mpi_request, op, detail, nbytes, finish=None, what=""):
         self.comm, self.mpi_request, self.what = comm, mpi_request, what
         self.op, self.detail, self.nbytes, self.finish = op, detail, nbytes, finish
-        self.t0 = MPI.Wtime()
+        self.t0 = _now()
         self.status = MPI.Status()
-        self.complete = False  # MPI has finished the transfer
-        self.done = False  # and wait() has checked, copied back and recorded it
+        # complete: MPI has finished the transfer; done: wait() has checked, copied back, recorded
+        self.complete = self.done = False
 
     def test(self):
         """Let MPI advance the request (MPICH progresses only inside MPI calls); True once
@@ -158,7 +135,7 @@ class Request:
 
 
 # ----------------------------------------------------------------------------- the wrapper
-class Comm:
+class Comm(PickledCalls):
     """An mpi4py communicator with checked, counted, traced and non-spinning calls.
 
     ``stats[op]`` holds ``calls``, ``messages`` (point-to-point messages this rank sent),
@@ -170,10 +147,10 @@ class Comm:
     """
 
     def __init__(self, mpi_comm, name="world"):
-        self.mpi = mpi_comm
-        self.name = name
+        self.mpi, self.name = mpi_comm, name
         self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
         self.stats = defaultdict(lambda: defaultdict(int))
+        self.status = MPI.Status()  # of the direct blocking receives
 
     # -- bookkeeping
     def _count(self, op, sent=0, recv=0, messages=0):
@@ -184,23 +161,25 @@ class Comm:
         s["messages"] += messages
 
     def _record(self, op, detail, nbytes, t0, what=""):
-        t1 = MPI.Wtime()
+        t1 = _now()
         FLIGHT.recent.append((t1, self.name, op, detail, what))
-        TRACE.add(t0, t1, "comm", op, comm=self.name, detail=detail, bytes=nbytes)
+        if TRACE.enabled:
+            TRACE.events.append((t0, t1, "comm", op,
+                                 {"comm": self.name, "detail": detail, "bytes": nbytes}))
         if EXPLAIN:
-            self.say(f"{op:<14} {detail:<34} {_fmt_bytes(nbytes):>9}  {(t1 - t0) * 1e3:7.3f} ms"
-                     f"{_about(what)}")
+            explain.completed(self, op, detail, nbytes, t1 - t0, what)
 
     def say(self, text):
         """With --explain: one line prefixed by the world rank and this group's rank."""
         if EXPLAIN:
-            _say(f"[rank {MPI.COMM_WORLD.Get_rank()}, {self.name} {self.rank}] {text}")
+            explain.call_line(self, text)
 
     def posted(self, op, detail, nbytes, what):
         """With --explain, name a non-blocking call when it is posted (it completes later,
         in ``wait``, which prints the time it took): overlap is then visible."""
-        FLIGHT.recent.append((MPI.Wtime(), self.name, op + " posted", detail, what))
-        self.say(f"{op + ' posted':<14} {detail:<34} {_fmt_bytes(nbytes):>9}{_about(what)}")
+        FLIGHT.recent.append((_now(), self.name, op + " posted", detail, what))
+        if EXPLAIN:
+            explain.posted(self, op, detail, nbytes, what)
 
     def reset_stats(self):
         self.stats.clear()
@@ -208,13 +187,31 @@ class Comm:
     def total(self, key, ops=None):
         return sum(s[key] for op, s in self.stats.items() if ops is None or op in ops)
 
-    def _blocking(self, req, op, detail, nbytes, t0, what=""):
+    def _blocking(self, req, op, detail, nbytes, t0, what="", host=None, dev=None):
+        """Complete a posted collective, copy its result back to the device (CuPy), record."""
         wait(req, None, (self.name, op, detail, what))
+        B.copy_back(host, dev)
         self._record(op, detail, nbytes, t0, what)
 
     # -- point to point
     def Send(self, buf, dest, tag=0, what=""):
-        self.Isend(buf, dest, tag, what, posted=False).wait()
+        """The hot path of a ping-pong, so written out in full (``_direct``, ``_count``, a
+        watched blocking call): a Python call costs about 0.1 us, an 8-byte message about 3."""
+        if WAIT != "spin" or type(buf) is not np.ndarray or not buf.flags.c_contiguous:
+            self.Isend(buf, dest, tag, what, posted=False).wait()
+            return
+        detail, t0 = f"-> rank {dest}", _now()
+        FLIGHT.waiting = (t0, self.name, "Send", detail, what)
+        try:
+            (self.mpi.Ssend if SSEND else self.mpi.Send)(buf, dest, tag)
+        finally:
+            FLIGHT.waiting = None
+        n = buf.nbytes  # counted after the send, off a ping-pong's critical path (Recv: before)
+        s = self.stats["Send"]
+        s["calls"] += 1
+        s["sent"] += n
+        s["messages"] += 1
+        self._record("Send", detail, n, t0, what)
 
     def Isend(self, buf, dest, tag=0, what="", posted=True):
         """Post a send (a synchronous one with MPIPAR_SSEND=1); ``.wait()`` completes it.
@@ -222,121 +219,140 @@ class Comm:
         check_array(buf, what=f"Isend to {dest}")
         post = self.mpi.Issend if SSEND else self.mpi.Isend
         self._count("Send", sent=buf.nbytes, messages=1)
+        detail = f"-> rank {dest}"
         if posted:
-            self.posted("Isend", f"-> rank {dest}", buf.nbytes, what)
-        return Request(self, post(_host(buf), dest=dest, tag=tag), "Send", f"-> rank {dest}",
-                       buf.nbytes, what=what)
+            self.posted("Isend", detail, buf.nbytes, what)
+        return Request(self, post(B.host(buf), dest=dest, tag=tag), "Send", detail, buf.nbytes,
+                       what=what)
 
     def Recv(self, buf, source, tag=0, what=""):
-        return self.Irecv(buf, source, tag, what, posted=False).wait()
-
+        """Receive into ``buf``; a message of any other size is an error. Written out as Send."""
+        if WAIT != "spin" or type(buf) is not np.ndarray or not buf.flags.c_contiguous:
+            return self.Irecv(buf, source, tag, what, posted=False).wait()
+        n, status = buf.nbytes, self.status
+        s = self.stats["Recv"]
+        s["calls"] += 1
+        s["recv"] += n
+        detail, t0 = f"<- rank {source}", _now()
+        FLIGHT.waiting = (t0, self.name, "Recv", detail, what)
+        try:
+            self.mpi.Recv(buf, source, tag, status)
+        finally:
+            FLIGHT.waiting = None
+        _check_count(status, buf, source)
+        self._record("Recv", detail, n, t0, what)
+        return status
     def Irecv(self, buf, source, tag=0, what="", posted=True):
         """Receive into ``buf``; a message of any other size than ``buf`` is an error."""
         check_array(buf, what=f"Recv from {source}")
-        host, dev = _host_out(buf)
+        host, dev = B.host_out(buf)
 
         def finish(status):
-            count = status.Get_count(MPI.BYTE)
-            if count != buf.nbytes:
-                raise ValueError(f"Recv from {source}: got {count} bytes, buffer of shape "
-                                 f"{buf.shape} {buf.dtype} expects {buf.nbytes}")
-            _copy_back(host, dev)
+            _check_count(status, buf, source)
+            B.copy_back(host, dev)
 
         self._count("Recv", recv=buf.nbytes)
+        detail = f"<- rank {source}"
         if posted:
-            self.posted("Irecv", f"<- rank {source}", buf.nbytes, what)
+            self.posted("Irecv", detail, buf.nbytes, what)
         req = self.mpi.Irecv(host, source=source, tag=tag)
-        return Request(self, req, "Recv", f"<- rank {source}", buf.nbytes, finish, what)
+        return Request(self, req, "Recv", detail, buf.nbytes, finish, what)
 
     def Sendrecv(self, sendbuf, dest, recvbuf, source, tag=0, what=""):
         """Send to ``dest`` and receive from ``source`` at once: cannot deadlock in a ring."""
         check_array(sendbuf, what=f"Sendrecv to {dest}")
         check_array(recvbuf, what=f"Sendrecv from {source}")
-        t0 = MPI.Wtime()
-        host_in, dev = _host_out(recvbuf)
+        detail = f"-> {dest}, <- {source}"
+        self._count("Sendrecv", sent=sendbuf.nbytes, recv=recvbuf.nbytes, messages=1)
+        t0 = _now()
+        host_in, dev = B.host_out(recvbuf)
         rreq = self.mpi.Irecv(host_in, source=source, tag=tag)
-        sreq = (self.mpi.Issend if SSEND else self.mpi.Isend)(_host(sendbuf), dest=dest, tag=tag)
-        call = (self.name, "Sendrecv", f"-> {dest}, <- {source}", what)
+        sreq = (self.mpi.Issend if SSEND else self.mpi.Isend)(B.host(sendbuf), dest=dest, tag=tag)
+        call = (self.name, "Sendrecv", detail, what)
         wait(sreq, None, call)
         wait(rreq, None, call)
-        _copy_back(host_in, dev)
-        self._count("Sendrecv", sent=sendbuf.nbytes, recv=recvbuf.nbytes, messages=1)
-        self._record(*call[1:3], sendbuf.nbytes, t0, what)
+        B.copy_back(host_in, dev)
+        self._record("Sendrecv", detail, sendbuf.nbytes, t0, what)
 
     # -- collectives
     def Barrier(self):
-        t0 = MPI.Wtime()
         self._count("Barrier")
-        self._blocking(self.mpi.Ibarrier(), "Barrier", "all ranks", 0, t0)
+        self._blocking(self.mpi.Ibarrier(), "Barrier", "all ranks", 0, _now())
 
     def Bcast(self, buf, root=0, what=""):
         """Every rank's ``buf`` becomes root's."""
         check_array(buf, what="Bcast")
-        t0 = MPI.Wtime()
-        host, dev = (_host(buf), None) if self.rank == root else _host_out(buf)
+        t0 = _now()
+        host, dev = (B.host(buf), None) if self.rank == root else B.host_out(buf)
         n = buf.nbytes
         self._count("Bcast", sent=n * (self.size - 1) if self.rank == root else 0,
                     recv=0 if self.rank == root else n)
         self._blocking(self.mpi.Ibcast(host, root=root), "Bcast", f"root {root} -> all", n, t0,
-                       what)
-        _copy_back(host, dev)
+                       what, host, dev)
 
     def Reduce(self, sendbuf, recvbuf, op=MPI.SUM, root=0, what=""):
         """``recvbuf`` on root = op over every rank's ``sendbuf`` (recvbuf ignored elsewhere)."""
         check_array(sendbuf, what="Reduce")
-        t0 = MPI.Wtime()
+        t0 = _now()
         is_root = self.rank == root
         if is_root:
             check_array(recvbuf, sendbuf.shape, sendbuf.dtype, what="Reduce result")
-        host_out, dev = _host_out(recvbuf) if is_root else (None, None)
+        host_out, dev = B.host_out(recvbuf) if is_root else (None, None)
         n = sendbuf.nbytes
         self._count("Reduce", sent=0 if is_root else n, recv=n * (self.size - 1) if is_root else 0)
-        req = self.mpi.Ireduce(_host(sendbuf), host_out, op=op, root=root)
-        self._blocking(req, "Reduce", f"all -> root {root}", n, t0, what)
-        if is_root:
-            _copy_back(host_out, dev)
+        req = self.mpi.Ireduce(B.host(sendbuf), host_out, op=op, root=root)
+        self._blocking(req, "Reduce", f"all -> root {root}", n, t0, what, host_out, dev)
 
     def Allreduce(self, buf, op=MPI.SUM, what=""):
         """In place: every rank's ``buf`` becomes op over all ranks' ``buf``."""
-        self.Iallreduce(buf, op, what, posted=False).wait()
+        if not _direct(buf):
+            self.Iallreduce(buf, op, what, posted=False).wait()
+            return
+        self._count("Allreduce", sent=buf.nbytes, recv=buf.nbytes)
+        detail, t0 = f"all <-> all ({self.size})", _now()
+        FLIGHT.waiting = (t0, self.name, "Allreduce", detail, what)
+        try:
+            self.mpi.Allreduce(MPI.IN_PLACE, buf, op)
+        finally:
+            FLIGHT.waiting = None
+        self._record("Allreduce", detail, buf.nbytes, t0, what)
 
     def Iallreduce(self, buf, op=MPI.SUM, what="", posted=True):
         """Non-blocking in-place Allreduce; call ``.wait()`` on the result before reading buf."""
         check_array(buf, what="Allreduce")
-        host, dev = _host_out(buf)
+        host, dev = B.host_out(buf)
         if dev is not None:
-            host[...] = _host(buf)
+            host[...] = B.host(buf)
         self._count("Allreduce", sent=buf.nbytes, recv=buf.nbytes)
         if posted:
             self.posted("Iallreduce", f"all <-> all ({self.size})", buf.nbytes, what)
         req = self.mpi.Iallreduce(MPI.IN_PLACE, host, op=op)
         return Request(self, req, "Allreduce", f"all <-> all ({self.size})", buf.nbytes,
-                       lambda status: _copy_back(host, dev), what)
+                       lambda status: B.copy_back(host, dev), what)
 
     def Allgather(self, sendbuf, recvbuf, what=""):
         """recvbuf (size * len(sendbuf) along axis 0) = every rank's sendbuf, in rank order."""
         check_array(sendbuf, what="Allgather")
         check_array(recvbuf, (self.size * sendbuf.shape[0],) + sendbuf.shape[1:], sendbuf.dtype,
                     what="Allgather result")
-        t0 = MPI.Wtime()
-        host_out, dev = _host_out(recvbuf)
+        t0 = _now()
+        host_out, dev = B.host_out(recvbuf)
         self._count("Allgather", sent=sendbuf.nbytes, recv=recvbuf.nbytes - sendbuf.nbytes)
-        req = self.mpi.Iallgather(_host(sendbuf), host_out)
-        self._blocking(req, "Allgather", f"all <-> all ({self.size})", recvbuf.nbytes, t0, what)
-        _copy_back(host_out, dev)
+        req = self.mpi.Iallgather(B.host(sendbuf), host_out)
+        self._blocking(req, "Allgather", f"all <-> all ({self.size})", recvbuf.nbytes, t0, what,
+                       host_out, dev)
 
     def Reduce_scatter(self, sendbuf, recvbuf, op=MPI.SUM, what=""):
         """Sum sendbuf over ranks and give rank r block r (equal blocks along axis 0)."""
         check_array(sendbuf, what="Reduce_scatter")
         check_array(recvbuf, (sendbuf.shape[0] // self.size,) + sendbuf.shape[1:],
                     sendbuf.dtype, what="Reduce_scatter result")
-        t0 = MPI.Wtime()
-        host_out, dev = _host_out(recvbuf)
+        t0 = _now()
+        host_out, dev = B.host_out(recvbuf)
         self._count("Reduce_scatter", sent=sendbuf.nbytes, recv=recvbuf.nbytes)
-        req = self.mpi.Ireduce_scatter_block(_host(sendbuf), host_out, op=op)
+        req = self.mpi.Ireduce_scatter_block(B.host(sendbuf), host_out, op=op)
         self._blocking(req, "Reduce_scatter", f"all <-> all ({self.size})", sendbuf.nbytes, t0,
-                       what)
-        _copy_back(host_out, dev)
+                       what, host_out, dev)
 
     def Scatterv(self, sendbuf, counts, recvbuf, root=0, what=""):
         """Root splits sendbuf along axis 0 into ``counts[r]`` rows for rank r."""
@@ -345,75 +361,57 @@ class Comm:
         if recvbuf.shape[0] != counts[self.rank]:
             raise ValueError(f"Scatterv: rank {self.rank} expects {counts[self.rank]} rows, "
                              f"its buffer has {recvbuf.shape[0]}")
-        t0 = MPI.Wtime()
+        t0 = _now()
         is_root = self.rank == root
         elems = [c * row for c in counts]
         displs = offsets(elems)
         send = None
         if is_root:
             check_array(sendbuf, what="Scatterv")
-            send = [_host(sendbuf), (elems, displs), MPI._typedict[sendbuf.dtype.char]]
-        host_out, dev = _host_out(recvbuf)
+            send = [B.host(sendbuf), (elems, displs), MPI._typedict[sendbuf.dtype.char]]
+        host_out, dev = B.host_out(recvbuf)
         self._count("Scatterv", sent=(sendbuf.nbytes - recvbuf.nbytes) if is_root else 0,
                     recv=0 if is_root else recvbuf.nbytes)
         req = self.mpi.Iscatterv(send, host_out, root=root)
         self._blocking(req, "Scatterv", f"root {root} -> all, rows {list(counts)}",
-                       recvbuf.nbytes, t0, what)
-        _copy_back(host_out, dev)
+                       recvbuf.nbytes, t0, what, host_out, dev)
 
     def Gatherv(self, sendbuf, counts, recvbuf, root=0, what=""):
         """Root collects ``counts[r]`` rows from rank r into recvbuf, in rank order."""
         check_array(sendbuf, what="Gatherv")
         row = int(np.prod(sendbuf.shape[1:]))
-        t0 = MPI.Wtime()
+        t0 = _now()
         is_root = self.rank == root
         elems = [c * row for c in counts]
         displs = offsets(elems)
         recv, host_out, dev = None, None, None
         if is_root:
             check_array(recvbuf, what="Gatherv result")
-            host_out, dev = _host_out(recvbuf)
+            host_out, dev = B.host_out(recvbuf)
             recv = [host_out, (elems, displs), MPI._typedict[recvbuf.dtype.char]]
         self._count("Gatherv", sent=0 if is_root else sendbuf.nbytes,
                     recv=(recvbuf.nbytes - sendbuf.nbytes) if is_root else 0)
-        req = self.mpi.Igatherv(_host(sendbuf), recv, root=root)
-        self._blocking(req, "Gatherv", f"all -> root {root}", sendbuf.nbytes, t0, what)
-        if is_root:
-            _copy_back(host_out, dev)
+        req = self.mpi.Igatherv(B.host(sendbuf), recv, root=root)
+        self._blocking(req, "Gatherv", f"all -> root {root}", sendbuf.nbytes, t0, what,
+                       host_out, dev)
 
-    # -- small metadata (pickled, lower-case): never for arrays
-    def bcast_obj(self, obj, root=0, what=""):
-        return self._pickled("bcast", f"root {root} -> all", what, self.mpi.bcast, obj, root)
-
-    def gather_obj(self, obj, root=0, what=""):
-        return self._pickled("gather", f"all -> root {root}", what, self.mpi.gather, obj, root)
-
-    def allgather_obj(self, obj, what=""):
-        return self._pickled("allgather", "all <-> all", what, self.mpi.allgather, obj)
-
-    def _pickled(self, op, detail, what, call, *args):
-        """A blocking lower-case call, which never passes through ``wait``: watched alike."""
-        detail += " (pickled)"
-        self.say(f"{op:<14} {detail}{_about(what)}")
-        FLIGHT.waiting = (MPI.Wtime(), self.name, op, detail, what)
-        try:
-            result = call(*args)
-        finally:
-            FLIGHT.waiting = None
-        FLIGHT.recent.append((MPI.Wtime(), self.name, op, detail, what))
-        return result
-
-
-def _say(line):
-    """One write per line, so that lines of ranks printing at once never merge mid-line."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+    # -- small metadata: one float here, Python objects in metadata.PickledCalls
+    def sum_float(self, value, what=""):
+        """The sum over the ranks of one float (a loss to print and check): an Allreduce of 8
+        bytes through the buffer API, completed by :func:`wait` like every call. Metadata,
+        like the pickled calls: it is not counted in ``stats``, which hold the scheme's traffic."""
+        buf = np.array([float(value)])
+        call = (self.name, "Allreduce", "sum of one float", what)
+        self.say(f"{'Allreduce':<14} {call[2]:<34} {'8 B':>9}{explain.about(what)}")
+        wait(self.mpi.Iallreduce(MPI.IN_PLACE, buf), None, call)
+        FLIGHT.recent.append((_now(), *call))
+        return float(buf[0])
 
 
 def narrate(text):
     """With --explain, print a line about the step being run, prefixed by the world rank."""
     if EXPLAIN:
-        _say(f"[rank {MPI.COMM_WORLD.Get_rank()}] {text}")
+        explain.step(text)
 
 
 def world():

@@ -47,7 +47,9 @@ class Flight:
 
     ``recent`` holds ``(MPI.Wtime(), comm name, op, detail, what)`` per completed or posted call;
     ``waiting`` is ``(since, comm name, op, detail, what)`` while the main thread is blocked in
-    an MPI call (set and cleared by :func:`mpipar.comm.wait`), else None.
+    an MPI call (set and cleared by :func:`mpipar.comm.wait` and by the calls that go straight
+    to MPI's blocking twin), else None. ``recent`` is a deque of fixed length: a ring kept in C,
+    one append per call, so the recorder costs nothing to trim.
     """
 
     def __init__(self):
@@ -75,6 +77,15 @@ def refuse(message, code=2):
         sys.stderr.write(f"error: {message}\n")
         sys.stderr.flush()
     raise SystemExit(code)
+
+
+def env_choice(name, allowed):
+    """The value of an environment variable that must be one of ``allowed`` (unset or empty:
+    None); anything else is refused on every rank, since every rank sees the same value."""
+    value = os.environ.get(name) or None
+    if value is not None and value not in allowed:
+        refuse(f"{name}={value!r}: expected {' or '.join(allowed)}, or unset")
+    return value
 
 
 def abort(code):

@@ -44,6 +44,7 @@ stage and one gradient back to the previous one, each b/m * (width of the cut) e
 (b/m * s * h for the GPT: Send/Recv, alpha + n*beta each), plus a 80-byte header per message
 that carries the micro-batch id, dtype and shape and is checked on arrival. A middle stage
 sends and receives 2 * b * s * h * itemsize bytes per step in 4m messages (2m of them headers).
+The last stage then sends the step's loss (8 bytes) to each other stage.
 
 Deadlock freedom: every send is non-blocking (Isend, completed at the end of the step) and
 only receives block, so a stage waits only for data a schedule guarantees to come; the tests
@@ -81,7 +82,7 @@ from mpipar.schedules import (
 )
 from mpipar.trace import TRACE
 
-TAG_ACT, TAG_GRAD = 11, 12
+TAG_ACT, TAG_GRAD, TAG_LOSS = 11, 12, 13
 CHUNK_TAG = 100  # a message to model chunk c has the tag TAG_ACT or TAG_GRAD + c * CHUNK_TAG
 HEADER_LEN = 10  # tag, micro-batch id, dtype code, ndim, up to 6 dims
 
@@ -372,12 +373,21 @@ def run_pipeline(module, instructions, pp_comm, micro_rows, inputs=None, targets
 
 
 def share_loss(pp_comm, loss):
-    """The last stage has the loss; every stage gets it (one Bcast of one number), so that
-    every rank can print it and stop at once if it is not finite."""
-    if pp_comm.size == 1:
+    """The last stage has the loss; every stage gets it, so that every rank can print it and
+    stop at once if it is not finite. The last stage, whose backwards end first, sends it to
+    each other stage (p-1 messages of one number, which MPI delivers at once, eagerly) and the
+    message waits for them: a Bcast would hold the first stage, which finishes last, until the
+    last stage, idle and asleep by then, woke to pass the number on (MPI moves a collective
+    only inside calls on every rank)."""
+    last, what = pp_comm.size - 1, "the step's loss, to print and check"
+    if last == 0:
         return loss
     buf = np.array([0.0 if loss is None else loss])
-    pp_comm.Bcast(buf, root=pp_comm.size - 1, what="the step's loss, to print and check")
+    if pp_comm.rank == last:
+        for dest in range(last):
+            pp_comm.Send(buf, dest, TAG_LOSS, what)
+    else:
+        pp_comm.Recv(buf, last, TAG_LOSS, what)
     return float(buf[0])
 
 

@@ -133,3 +133,60 @@ def test_grid_refuses_a_size_below_one(flags, says, mpirun):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip() == says, proc.stderr  # one line, from rank 0 only
     assert proc.stdout == ""
+
+
+# ----------------------------------------------------------------------------- bench wait
+def test_wait_takes_a_step_as_the_difference_of_two_launches(monkeypatch, tmp_path, capsys):
+    """No launch here: wall() is replaced by a launch that costs 2 s plus 10 ms per step on 2
+    ranks, 13 ms on 4 with the default strategy and 20 ms with any other: the step times, the
+    4/2 ratios and their verdicts must come out of the two-launch difference exactly."""
+    from mpipar import waiting
+    from mpipar.bench import wait
+
+    launched = []
+
+    def wall(n, command, steps, strategy=None):
+        launched.append((n, command[0], steps, strategy))
+        per_step = 0.010 if n == 2 else 0.013 if strategy in (None, "backoff") else 0.020
+        return 2.0 + per_step * steps
+
+    monkeypatch.setattr(wait, "wall", wall)
+    monkeypatch.setattr(waiting, "DEFAULT_OVERSUBSCRIBED", "backoff")
+    wait.main(["--quick", "--out", str(tmp_path)])
+    with open(tmp_path / "wait.csv") as f:
+        rows = list(csv.DictReader(f))
+    cells = {(r["scheme"], r["strategy"]): float(r["step_ms"]) for r in rows if not r["ratio"]}
+    assert set(cells) == {(s, w) for s in wait.QUICK_SCHEMES for w in waiting.STRATEGIES}
+    assert cells["dp ring", "backoff"] == pytest.approx(13.0)
+    assert cells["pipeline", "spin"] == pytest.approx(20.0)
+    pairs = {r["scheme"]: float(r["ratio"]) for r in rows if r["ratio"]}
+    assert pairs == {"main job (pipeline): 4 / 2 ranks": 1.3, "dp allreduce: 4 / 2 ranks": 1.3}
+    out = capsys.readouterr().out
+    assert "main job (pipeline): 4 ranks / 2 ranks per step 1.30" in out and "NOT met" in out
+    assert "dp allreduce: 4 ranks / 2 ranks per step 1.30 (1.30..1.30), target at most 1.3: met" \
+        in out
+    assert {steps for *_, steps, _ in launched} == {3, 23}
+    assert (tmp_path / "wait.png").stat().st_size > 0
+
+
+def test_wait_refuses_bad_step_counts(tmp_path):
+    from mpipar.bench import wait
+
+    with pytest.raises(SystemExit):
+        wait.main(["--steps", "5,5", "--out", str(tmp_path)])
+
+
+def test_make_report_launches_the_headline_benchmarks_again(monkeypatch, tmp_path):
+    """--launches R: launches 2..R of the headline benchmarks, each into its own folder."""
+    from mpipar import headlines
+
+    calls = []
+    for name in headlines.benches():
+        module = importlib.import_module(f"mpipar.bench.{name}")
+        monkeypatch.setattr(module, "main", lambda argv, name=name: calls.append((name, argv)))
+    monkeypatch.setattr(report, "SCRATCH", tmp_path)
+    folders = report.launch_again(quick=False, launches=3)
+    assert folders == [report.PLOTS, tmp_path / "launch-2", tmp_path / "launch-3"]
+    assert calls == [(name, ["--out", str(tmp_path / f"launch-{k}")]) for k in (2, 3)
+                     for name in headlines.benches()]
+    assert "wait" not in headlines.benches()  # minutes a launch: once, on its own

@@ -18,6 +18,7 @@ from conftest import MPI_SCRIPTS, ROOT, find_mpirun
 def test_comm_checks_on_4_ranks(mpirun):
     out = mpirun(4, [MPI_SCRIPTS / "comm_checks.py"], timeout=60)
     assert "comm checks passed" in out.stdout and "non-blocking checks passed" in out.stdout
+    assert "waiting checks passed: spin, backoff, yield, sleep" in out.stdout
 
 
 def test_comm_checks_with_synchronous_sends(mpirun):
@@ -195,8 +196,9 @@ def test_ctrl_c_prints_one_line_and_ends_the_job_with_130(where, n, wait):
     assert time.time() - t0 < 2.5, f"Ctrl-C took {time.time() - t0:.1f} s to end the job"
 
 
-@pytest.mark.parametrize("name,value,expected", [("MPIPAR_WAIT", "foo", "spin or sleep"),
-                                                 ("MPIPAR_SSEND", "yes", "0 or 1")])
+@pytest.mark.parametrize("name,value,expected",
+                         [("MPIPAR_WAIT", "foo", "spin or backoff or yield or sleep"),
+                          ("MPIPAR_SSEND", "yes", "0 or 1")])
 def test_bad_environment_values_are_refused(mpirun, name, value, expected):
     t0 = time.time()
     proc = mpirun(2, ["-m", "mpipar.data_parallel", "--steps", "1", "--quiet"], timeout=60,

@@ -205,3 +205,75 @@ def test_parameter_set_copies_its_source(dtype):
     p.set(src[:, ::-1])  # a strided view arrives C-contiguous, as the optimizer needs
     assert p.data.flags.c_contiguous
     np.testing.assert_array_equal(p.data, src[:, ::-1])
+
+
+# -- a zeroed gradient is written by the first micro-batch and added to by the next ones
+def plain_sums(xs, douts, order):
+    """dW and db by the plain formula: zeros, then += each micro-batch's x^T dout and sum."""
+    dW, db = np.zeros((xs[0].shape[-1], douts[0].shape[-1])), np.zeros(douts[0].shape[-1])
+    for k in order:
+        dW += xs[k].reshape(-1, dW.shape[0]).T @ douts[k].reshape(-1, dW.shape[1])
+        db += douts[k].reshape(-1, dW.shape[1]).sum(axis=0)
+    return dW, db
+
+
+@pytest.mark.parametrize("n_micro", [1, 3])
+@pytest.mark.parametrize("split", [False, True])
+def test_linear_gradients_are_bitwise_the_plain_sum(n_micro, split):
+    """After zero_grad a Linear writes its first dW and db into the gradient (0 + v == v) and
+    adds the later micro-batches' ones: bitwise the plain zeros-then-+= sum, through backward
+    and through B and W apart, W in another order (as a zero-bubble stage runs them)."""
+    lin = nn.Linear(6, 4).init(0)
+    xs = [RNG.standard_normal((3, 5, 6)) for _ in range(n_micro)]
+    douts = [RNG.standard_normal((3, 5, 4)) for _ in range(n_micro)]
+    douts[-1][..., 2] = -0.0  # 0 + (-0.0) is +0.0: a written sum must not keep the sign
+    order = list(range(n_micro))[::-1] if split else range(n_micro)
+    for _ in range(2):  # the second step starts from the first step's gradient, zeroed
+        lin.zero_grad()
+        for k in range(n_micro):
+            lin.forward(xs[k], k)
+        for k in range(n_micro):
+            (lin.backward_input if split else lin.backward)(douts[k], k)
+        for k in order if split else ():
+            lin.backward_weight(k)
+    dW, db = plain_sums(xs, douts, order)
+    assert lin.W.grad.tobytes() == dW.tobytes()
+    assert lin.b.grad.tobytes() == db.tobytes()
+    if n_micro == 1:
+        assert not np.signbit(lin.b.grad[2]) and not np.signbit(lin.W.grad[:, 2]).any()
+
+
+def test_layernorm_gradients_add_over_micro_batches():
+    ln = nn.LayerNorm(5).init(0)
+    xs, douts = RNG.standard_normal((2, 4, 5)), RNG.standard_normal((2, 4, 5))
+    ln.zero_grad()
+    g, b = np.zeros(5), np.zeros(5)
+    for k in range(2):
+        xhat = (xs[k] - xs[k].mean(-1, keepdims=True))
+        xhat = xhat * (1.0 / np.sqrt((xhat * xhat).mean(-1, keepdims=True) + ln.eps))
+        ln.forward(xs[k], k)
+        ln.backward(douts[k], k)
+        g += (douts[k] * xhat).sum(axis=0)
+        b += douts[k].sum(axis=0)
+    assert ln.g.grad.tobytes() == g.tobytes() and ln.b.grad.tobytes() == b.tobytes()
+
+
+def test_a_zeroed_gradient_reads_as_zeros():
+    """zero_grad may leave an owned gradient's zeros unwritten until it is read; a gradient
+    that is a view into a larger buffer (a bucket MPI sends whole) is zeroed at once."""
+    bucket = np.full(10, 7.0)
+    own, view = nn.Parameter(2, 3), nn.Parameter(4)
+    own.set(np.ones((2, 3)))
+    view.set(np.ones(4))
+    own.grad[...] = 7.0
+    view.grad = bucket[6:]
+    own.zero_grad()
+    view.zero_grad()
+    np.testing.assert_array_equal(bucket, [7.0] * 6 + [0.0] * 4)
+    np.testing.assert_array_equal(own.grad, np.zeros((2, 3)))
+    emb = nn.Embedding(5, 3).init(0)  # adds into some rows of its gradient only
+    for _ in range(2):
+        emb.zero_grad()
+        emb.forward(np.array([[1, 1, 3]]))
+        emb.backward(np.ones((1, 3, 3)))
+    np.testing.assert_array_equal(emb.W.grad, np.array([0, 2, 0, 1, 0])[:, None] * np.ones(3))

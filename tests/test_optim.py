@@ -113,3 +113,24 @@ def test_adamw_with_zero_weight_decay_steps_exactly_like_adam():
 def test_make_refuses_an_unknown_name():
     with pytest.raises(ValueError, match="unknown optimizer 'lamb'"):
         optim.make("lamb", params(0, "float64"), 0.01)
+
+
+def test_the_update_follows_arrays_that_are_replaced():
+    """The optimizer keeps each parameter's block views between steps: a gradient or data
+    array replaced since (a bucket's view) is the one it must read and write next."""
+    ps = params(0, "float64")
+    opt = optim.SGD(ps, lr=0.1, momentum=0.9)
+    for p in ps:
+        p.grad[...] = 1.0
+    opt.step()
+    p = ps[0]
+    bucket = np.full(p.size + 3, 2.0)
+    p.grad = bucket[3:].reshape(p.shape)
+    p.data = p.data.copy()
+    w, v = p.data.copy(), opt.state[p][0].copy()
+    opt.step()
+    np.testing.assert_array_equal(p.data, w - 0.1 * (0.9 * v + 2.0))
+    opt.zero_grad()  # a zeroed gradient, never written by a backward, updates with zeros
+    w, v = p.data.copy(), opt.state[p][0].copy()
+    opt.step()
+    np.testing.assert_array_equal(p.data, w - 0.1 * (0.9 * v))

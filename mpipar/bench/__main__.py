@@ -1,4 +1,4 @@
-"""python -m mpipar.bench {engine,flops,net,dp,pp,tp,hybrid,ckpt,memory,overhead,link}: run one
+"""python -m mpipar.bench {engine,flops,net,dp,pp,tp,hybrid,ckpt,memory,overhead,link,wait}: run one
 benchmark, write its CSV and pictures into --out DIR (default: a scratch folder; --out plots
 replaces the committed results, as make report does). Flags given beside --quick win over its
 shorter defaults."""
@@ -22,6 +22,7 @@ BENCHES = {
     "memory": "bytes each rank holds (the memory ledger) and step time: ZeRO 0-3, recomputation",
     "overhead": "the comm wrapper against raw mpi4py, the engine against bare NumPy (16-128 rows)",
     "link": "across an emulated cluster's link (root): ping-pong and data-parallel step time",
+    "wait": "4 ranks on 2 cores: each waiting strategy per scheme; the main job on 4 against 2",
 }
 
 

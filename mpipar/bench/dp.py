@@ -47,6 +47,16 @@ memory in the process (:func:`steady_heap`, glibc's mallopt, the same for every 
 and warm up in the interleaved order they are timed in; every row records ``steady_heap``.
 
 Speedup of a mode on P ranks = its step time on 1 rank / its step time on P ranks.
+
+On 1 rank each round also times :class:`BareStep`, the same step written in bare NumPy, in the
+same way. A mode's 1-rank step over it (the median over rounds of the ratio within a round,
+with its range) is the price of the scheme's machinery where it buys nothing: flat buffers,
+MPI calls on one rank, the trace's spans. Target: at most 1.1x.
+
+The 4-rank rows also carry ``vs_2_ranks``: their step time over the 2-rank step of the same
+mode and global batch (with ``vs_2_ranks_min`` and ``_max``, the range of the per-round ratios,
+round i of P = 4 against round i of P = 2). On 2 cores that is the price of oversubscription,
+which the way a rank waits (:mod:`mpipar.waiting`) decides; target: at most 1.3 for allreduce.
 """
 
 import argparse
@@ -54,6 +64,8 @@ import ctypes
 import ctypes.util
 import os
 import statistics
+
+import numpy as np
 
 from mpipar.bench.common import (
     bench_parser,
@@ -81,9 +93,30 @@ ALGO = {"master": "master", "allreduce": "mpi", "ring": "ring", "allreduce+overl
         "zero1": "zero"}  # the net.predict formula of each mode
 GRAD_OPS = {"Reduce", "Bcast", "Allreduce", "Sendrecv", "Reduce_scatter", "Allgather"}
 RANKS = (1, 2, 4)
+OVERSUBSCRIBED_TARGET = 1.3  # allreduce: 4-rank step / 2-rank step at most this
+BARE_TARGET = 1.1  # a 1-rank step against BareStep
 
 
 # ----------------------------------------------------------------------------- worker (mpirun)
+class BareStep:
+    """P = 1's yardstick: the trainers' step (make the batch, forward, backward, SGD with
+    momentum) in bare NumPy (:func:`mpipar.bench.engine.bare_step`), from a copy of a trainer's
+    initial parameters. What a 1-rank step costs beyond it is the scheme's machinery."""
+
+    def __init__(self, trainer):
+        named = list(trainer.model.named_parameters())
+        self.Ws = [p.data.copy() for name, p in named if name.endswith(".W")]
+        self.bs = [p.data.copy() for name, p in named if name.endswith(".b")]
+        self.velocity = ([np.zeros_like(w) for w in self.Ws], [np.zeros_like(b) for b in self.bs])
+        self.task, self.opt = trainer.task, trainer.opt
+
+    def step(self, step):
+        from mpipar.bench.engine import bare_step
+
+        x, y = self.task.to_device(*self.task.batch(step))
+        return bare_step(self.Ws, self.bs, x, y, self.opt.lr, self.opt.momentum, self.velocity)
+
+
 def steady_heap():
     """Make glibc keep freed memory for reuse instead of giving it back to the system: every
     block up to 32 MiB comes from the heap (M_MMAP_THRESHOLD) and the heap is never trimmed
@@ -119,14 +152,15 @@ def worker(rounds, warmup):
         args = parse_args("data_parallel", MODEL + flags, dp_comm.size)
         task = serial.Task(args, task and task.data)  # the data depends on the model flags only
         trainers[mode] = trainer_class("data_parallel", args)(task, grid, args)
+    timed = dict(trainers, bare=BareStep(trainers["allreduce"])) if dp_comm.size == 1 else trainers
     step = 0
     for _ in range(warmup):  # in the timed order, so that the heap reaches its steady size
-        for dp in trainers.values():
+        for dp in timed.values():
             dp.step(step)
             step += 1
-    samples = {mode: [] for mode in MODES}
+    samples = {mode: [] for mode in timed}
     for _ in range(rounds):
-        for mode, dp in trainers.items():
+        for mode, dp in timed.items():
             dp.step(step)  # untimed: this trainer's arrays back in cache, as between the steps
             step += 1  # of a training run, after another trainer's step evicted them
             dp_comm.Barrier()
@@ -150,7 +184,19 @@ def worker(rounds, warmup):
                   "buckets": len(dp.sync.buckets) if hasattr(dp, "sync") else 1,
                   "bucket_bytes": [b.flat.nbytes for b in dp.sync.buckets]
                   if hasattr(dp, "sync") else [],
-                  "optimizer_state_bytes": state[mode], "steady_heap": heap})
+                  "optimizer_state_bytes": state[mode], "steady_heap": heap,
+                  "bare_s": [s[0] for s in samples.get("bare", [])]})
+
+
+def against_bare(res):
+    """A 1-rank mode's step / the bare-NumPy step of the same round: median and range over
+    the rounds (empty for P > 1)."""
+    ratios = [s[0] / b for s, b in zip(res["samples"], res["bare_s"])]
+    if not ratios:
+        return dict(bare_ms="", vs_bare="", vs_bare_min="", vs_bare_max="")
+    return dict(bare_ms=round(statistics.median(res["bare_s"]) * 1e3, 3),
+                vs_bare=round(statistics.median(ratios), 3), vs_bare_min=round(min(ratios), 3),
+                vs_bare_max=round(max(ratios), 3))
 
 
 # ----------------------------------------------------------------------------- driver
@@ -229,6 +275,7 @@ def main(argv=None):
                 key = (p, res["mode"])
                 if key in runs:
                     runs[key]["samples"] += res["samples"]
+                    runs[key]["bare_s"] += res["bare_s"]
                 else:
                     runs[key] = res
     rows = []
@@ -255,7 +302,13 @@ def main(argv=None):
                              optimizer_state_bytes=res["optimizer_state_bytes"],
                              samples=len(res["samples"]), steady_heap=res["steady_heap"],
                              alpha=alpha, beta=beta, gamma=gamma,
-                             loadavg_1min=round(load, 2)))
+                             loadavg_1min=round(load, 2), **against_bare(res)))
+    for row in rows:  # the 4-rank step against the 2-rank one, same mode and global batch
+        if row["ranks"] == 4:
+            ratios = [a[0] / b[0] for a, b in zip(runs[(4, row["mode"])]["samples"],
+                                                   runs[(2, row["mode"])]["samples"])]
+            row.update(vs_2_ranks=round(statistics.median(ratios), 3),
+                       vs_2_ranks_min=round(min(ratios), 3), vs_2_ranks_max=round(max(ratios), 3))
     path = write_csv("dp.csv", rows, args.out)
     png = plot(rows, args.out / "dp_speedup.png")
     print(f"{'ranks':>5} {'mode':<18} {'step ms':>8} {'speedup':>8} {'comm %':>7} "
@@ -265,10 +318,23 @@ def main(argv=None):
               f"{100 * r['comm_share']:6.1f}% {r['grad_comm_ms']:13.2f} "
               f"{r['predicted_comm_ms']:9.2f} {r['optimizer_state_bytes']:10d}"
               + ("  (oversubscribed)" if r["oversubscribed"] else ""))
+    print(f"1 rank against bare NumPy doing the same step (target <= {BARE_TARGET}x; median "
+          "over rounds, range):")
+    for r in (r for r in rows if r["ranks"] == 1):
+        print(f"      {r['mode']:<18} {r['bare_ms']:8.1f} ms bare: {r['vs_bare']:.3f}x "
+              f"({r['vs_bare_min']:.3f}..{r['vs_bare_max']:.3f}), "
+              f"{'met' if r['vs_bare'] <= BARE_TARGET else 'NOT met'}")
     (target,) = [r for r in rows if r["ranks"] == 2 and r["mode"] == "allreduce+overlap"]
     verdict = "met" if target["speedup"] >= 1.8 else "NOT met"
     print(f"target: P=2 allreduce+overlap >= 1.8x faster than P=1: {target['speedup']:.2f}x, "
           f"{verdict}")
+    for r in (r for r in rows if r["ranks"] == 4):
+        print(f"4 ranks on {r['cores']} cores against 2 ranks, {r['mode']:<18} "
+              f"{r['vs_2_ranks']:.2f}x ({r['vs_2_ranks_min']:.2f}..{r['vs_2_ranks_max']:.2f})")
+    (over,) = [r for r in rows if r["ranks"] == 4 and r["mode"] == "allreduce"]
+    print(f"target: 4 ranks / 2 ranks (allreduce) <= {OVERSUBSCRIBED_TARGET}: "
+          f"{over['vs_2_ranks']:.2f}x, "
+          f"{'met' if over['vs_2_ranks'] <= OVERSUBSCRIBED_TARGET else 'NOT met'}")
     wrote(path, png)
 
 

@@ -1,8 +1,11 @@
 """Pipeline parallelism: the measured bubble beside (p-1)/(m+p-1), the activations each stage
-stashes under GPipe and 1F1B, and the step time beside the serial trainer's; zero-bubble ZB-H1
-beside 1F1B in the same launch: its bubble beside (p-1)/(3m+p-1), its stash and step time.
+stashes under GPipe and 1F1B, and the step time beside the serial trainer's, the speedup split
+into its factors (bubble, micro-batch efficiency, stage efficiency, span share: see
+``decomposition``); zero-bubble ZB-H1 beside 1F1B in the same launch: its bubble beside
+(p-1)/(3m+p-1), its stash and step time.
 
     python -m mpipar.bench pp     # pp.csv, pp_bubble.png, pp_memory.png, pp_timelines.png in --out
+    python -m mpipar.bench pp --micro 16 --rows 256    # bigger micro-batches, the same bubble
 
 Balanced stages, so that the formula applies: every stage holds the same LAYERS = 4 blocks of
 Linear(W, W) + ReLU (W = 1024, float32, one BLAS thread per rank; every Linear computes its
@@ -26,10 +29,13 @@ nn.Module.cached_bytes() showed after any forward or B, beside the prediction: t
 peak micro-batches in flight times one micro-batch's stash (for zb-h1, schedules.peak_stash:
 a micro-batch between its B and its W holds what W needs instead, each Linear's input and
 output gradient, more than the forward's input and 1-byte ReLU mask). The serial step is timed
-in this process on the whole model and the same batch.
+by rank 0 on the whole model and the same batch in the same rounds (the others wait), both
+as one step on the whole batch and accumulated over the m micro-batches; their ratio, the
+micro-batch efficiency, is one factor of the speedup (see ``decomposition``).
 """
 
 import argparse
+import math
 import statistics
 
 from mpipar.bench.common import (
@@ -37,7 +43,6 @@ from mpipar.bench.common import (
     cores,
     environment,
     int_list,
-    median_time,
     pyplot,
     run_ranks,
     save_figure,
@@ -69,6 +74,55 @@ def batch(m):
     x = data.synthetic(0, (ROWS * m, WIDTH))
     y = data.synthetic(1, (ROWS * m, WIDTH))  # regression targets for the MSE
     return B.asarray(x, dtype=B.dtype), B.asarray(y, dtype=B.dtype)
+
+
+class SerialReference:
+    """The whole model in one process, timed two ways on the batch of m micro-batches: the
+    serial step (forward, loss, backward, update on all ROWS x m rows at once) and the same step
+    accumulated over m micro-batches of ROWS rows (a forward and a backward per micro-batch,
+    the gradients summed with +=, one update): what P = 1 with m micro-batches would compute.
+    Their ratio is the micro-batch efficiency: the share of the serial speed that matrix
+    products of ROWS rows keep (each micro-batch also adds its dW to the whole gradient)."""
+
+    def __init__(self, n_stages, micro_counts):
+        from mpipar import nn, optim
+        from mpipar import pipeline as PP
+
+        self.model = build_model(n_stages).init(0)
+        self.opt = optim.SGD(self.model.parameters(), lr=1e-4)
+        self.loss_fn = nn.MSE()
+        self.batches = {m: batch(m) for m in micro_counts}
+        self.micro = {m: (PP.micro_batches(x, m), PP.micro_batches(y, m))
+                      for m, (x, y) in self.batches.items()}
+        self.samples = {m: dict(serial=[], accumulated=[]) for m in micro_counts}
+
+    def serial(self, m):
+        from mpipar import serial
+
+        serial.train_step(self.model, self.loss_fn, self.opt, *self.batches[m])
+
+    def accumulated(self, m):
+        xs, ys = self.micro[m]
+        normalizer = self.batches[m][1].size
+        self.opt.zero_grad()
+        for k, (x, y) in enumerate(zip(xs, ys)):
+            self.loss_fn.forward(self.model.forward(x, k), y, normalizer, k)
+            self.model.backward(self.loss_fn.backward(1.0, k), k)
+        self.opt.step()
+
+    def time_round(self, keep):
+        """Each m once, both ways, alternating: a slow spell hits both alike."""
+        from mpi4py import MPI
+
+        for m, got in self.samples.items():
+            for way in ("serial", "accumulated"):
+                t0 = MPI.Wtime()
+                getattr(self, way)(m)
+                if keep:
+                    got[way].append(MPI.Wtime() - t0)
+
+    def medians(self, m):
+        return {way: statistics.median(t) for way, t in self.samples[m].items()}
 
 
 # ----------------------------------------------------------------------------- worker (mpirun)
@@ -110,6 +164,8 @@ def worker(micro_counts, steps, warmup):
                                     inputs=PP.micro_batches(x, m),
                                     targets=PP.micro_batches(y, m),
                                     samples=[], traces=[], peak=0)
+    # rank 0 also times the whole model in one process, in the same rounds (the others wait)
+    reference = SerialReference(P, micro_counts) if r == 0 else None
     # every configuration once per round, rounds repeated: a slow spell of the machine spoils
     # one sample of many configurations rather than every sample of a few
     for step in range(warmup + steps):
@@ -121,9 +177,10 @@ def worker(micro_counts, steps, warmup):
                                      inputs=c["inputs"] if r == 0 else None,
                                      targets=c["targets"] if r == P - 1 else None,
                                      loss_fn=loss_fn, normalizer=c["normalizer"],
-                                     optimizer=c["opt"])
+                                     optimizer=c["opt"], measure_stash=step == 0)
             t = MPI.Wtime() - t0
-            c["peak"] = max(c["peak"], result.peak_stash_bytes)
+            c["peak"] = max(c["peak"], result.peak_stash_bytes)  # the first round's: the
+            # schedule repeats, and the walk over the modules after every F and B takes time
             if step >= warmup:
                 c["samples"].append((t, step_summary(TRACE.events)))
                 if m == TIMELINE_M:  # JSON: the label as text; the micro-batch, and "weight"
@@ -132,6 +189,8 @@ def worker(micro_counts, steps, warmup):
                                           if e[4].get(k) is not None})
                                         for e in TRACE.events
                                         if e[2] in ("forward", "backward", "optimizer")])
+        if reference is not None:
+            reference.time_round(keep=step >= warmup)
     for (name, m), c in configs.items():
         everyone = pp.gather_obj(dict(samples=c["samples"], peak=c["peak"],
                                       per_micro=per_micro,
@@ -145,8 +204,12 @@ def worker(micro_counts, steps, warmup):
             step_times = [max(e["samples"][i][0] for e in everyone) for i in range(steps)]
             bubbles = [measured_bubble([e["samples"][i][1] for e in everyone])
                        for i in range(steps)]
+            spans = [max(e["samples"][i][1][1] for e in everyone)
+                     - min(e["samples"][i][1][0] for e in everyone) for i in range(steps)]
             emit(dict(ranks=P, schedule=name, m=m, step_s=statistics.median(step_times),
-                      bubble=statistics.median(bubbles),
+                      bubble=statistics.median(bubbles), **reference.medians(m),
+                      busy_s=[statistics.median(s[1][2] for s in e["samples"]) for e in everyone],
+                      span_share=statistics.median(a / b for a, b in zip(spans, step_times)),
                       peaks=[e["peak"] for e in everyone],
                       per_micro=[e["per_micro"] for e in everyone],
                       in_flight=[e["in_flight"] for e in everyone],
@@ -156,19 +219,6 @@ def worker(micro_counts, steps, warmup):
 
 
 # ----------------------------------------------------------------------------- driver
-def serial_step_time(n_stages, m, repeats):
-    """Median time of one serial step of the same model on the same batch (this process)."""
-    from mpipar import backend as B
-    from mpipar import nn, optim, serial
-
-    B.use("numpy", "float32")
-    model = build_model(n_stages).init(0)
-    opt = optim.SGD(model.parameters(), lr=1e-4)
-    x, y = batch(m)
-    loss_fn = nn.MSE()
-    return median_time(lambda: serial.train_step(model, loss_fn, opt, x, y), repeats, warmup=1)
-
-
 def plot_bubble(rows, path):
     plt = pyplot()
 
@@ -254,13 +304,110 @@ def plot_timelines(results, p, path):
     return path
 
 
+def decomposition(res):
+    """The factors of the speedup over serial, each a ratio of times from the same rounds:
+
+        speedup = P x (1 - bubble) x micro-batch efficiency x stage efficiency x span share
+
+    - micro-batch efficiency: serial step / accumulated step (SerialReference): the price of
+      computing in micro-batches of ROWS rows rather than on the whole batch at once;
+    - stage efficiency: accumulated step / (P x a stage's mean compute time, forward and
+      backward from the trace): a stage against its share of the accumulated step, below 1
+      when the P ranks slow each other (shared memory bandwidth, shared cores); the messages
+      fall outside the compute spans, and unequal stages show in the bubble;
+    - span share: first forward to last backward over the whole step (barrier to the slowest
+      rank's end): the rest is the optimizer step and the messages around the span.
+    The bubble is 1 - (sum of the stages' compute) / (P x span), so the product is the
+    speedup exactly for one step; with the medians over steps, nearly."""
+    p = res["ranks"]
+    mean_busy = statistics.mean(res["busy_s"])
+    parts = dict(micro_efficiency=res["serial"] / res["accumulated"],
+                 stage_efficiency=res["accumulated"] / (p * mean_busy),
+                 span_share=res["span_share"])
+    parts["speedup_product"] = p * (1 - res["bubble"]) * math.prod(parts.values())
+    return parts
+
+
+def print_decomposition(by):
+    """1F1B's speedup factor by factor, and the P = 2, m = 16 target."""
+    print(f"speedup over serial = P x (1 - bubble) x micro-batch efficiency (ROWS = {ROWS} rows) "
+          "x stage efficiency x span share (1f1b):")
+    for (p, m, name), r in sorted(by.items()):
+        if name == "1f1b":
+            print(f"  P={p} m={m:2d}: {r['speedup_vs_serial']:5.2f} = {p} x "
+                  f"{1 - r['bubble_measured']:.3f} x {r['micro_efficiency']:.3f} x "
+                  f"{r['stage_efficiency']:.3f} x {r['span_share']:.3f} "
+                  f"(product {r['speedup_product']:.2f})")
+    if (2, 16, "1f1b") in by:
+        r = by[2, 16, "1f1b"]
+        ceiling = 2 * (1 - r["bubble_measured"]) * r["micro_efficiency"]
+        print(f"target: at P=2 m=16 1f1b a speedup of at least 1.6: {r['speedup_vs_serial']:.2f}, "
+              f"{'met' if r['speedup_vs_serial'] >= 1.6 else 'NOT met'}; the bubble and "
+              f"micro-batches of {ROWS} rows leave P x (1 - bubble) x micro-batch efficiency = "
+              f"{ceiling:.2f}")
+
+
+def zero_bubble_paragraph(pp):
+    """For the report: ZB-H1 beside 1F1B from the same launch, P = 2 and 4, m = 4 and 16: the
+    bubble measured from the trace beside each schedule's formula (empty without zb-h1 rows)."""
+    from mpipar.bench.common import csv_float as f
+
+    def row(p, m, name):
+        return next((r for r in pp if (r["ranks"], r["m"], r["schedule"], r["stage"])
+                     == (str(p), str(m), name, "0")), None)
+
+    parts = []
+    for p in (2, 4):
+        for m in (4, 16):
+            zb, ofb = row(p, m, "zb-h1"), row(p, m, "1f1b")
+            if zb and ofb:
+                parts.append(f"P = {p}, m = {m}: {f(zb, 'bubble_measured'):.3f} (formula "
+                             f"{f(zb, 'bubble_formula'):.3f}) against 1F1B's "
+                             f"{f(ofb, 'bubble_measured'):.3f} ({f(ofb, 'bubble_formula'):.3f})")
+    if not parts:
+        return []
+    return [("Zero-bubble ZB-H1 beside 1F1B in the same launch, the bubble measured from the "
+             "trace (W counted as backward) against (p-1)/(3m+p-1) and (p-1)/(m+p-1): "
+             + "; ".join(parts) + " (P = 4 oversubscribed; `pp.csv`)."), ""]
+
+
+def speedup_paragraph(pp):
+    """For the report: 1F1B's speedup at P = 2, m = 16 factor by factor, from pp.csv's rows of
+    stage 0, between blank lines (only the blank line for a pp.csv without the factors), and
+    ZB-H1's bubble beside 1F1B's."""
+    from mpipar.bench.common import csv_float as f
+
+    r = next((r for r in pp if (r["ranks"], r["m"], r["schedule"]) == ("2", "16", "1f1b")), None)
+    if r is None or not r.get("micro_efficiency"):
+        return ["", *zero_bubble_paragraph(pp)]
+    bubble, eff, rows = f(r, "bubble_measured"), f(r, "micro_efficiency"), r["rows_per_micro"]
+    return ["", (
+        f"Speedup over the serial step at P = 2, m = 16 (1F1B): {f(r, 'speedup_vs_serial'):.2f} "
+        f"= 2 x (1 - bubble {bubble:.3f}) x micro-batch efficiency {eff:.3f} x stage efficiency "
+        f"{f(r, 'stage_efficiency'):.3f} x span share {f(r, 'span_share'):.3f} (target 1.6). The "
+        "micro-batch efficiency is the serial step on the whole batch over the same model's step "
+        f"accumulated over 16 micro-batches of {rows} rows, timed in the same rounds: products "
+        "of few rows run slower per row, and each micro-batch adds its dW into the whole "
+        f"gradient. With the bubble it leaves 2 x (1 - bubble) x efficiency = "
+        f"{2 * (1 - bubble) * eff:.2f}, whatever the pipeline does. The stage efficiency (a "
+        "stage's compute, from the trace, against half the accumulated step: below 1 when the "
+        "two ranks slow each other through the shared memory and caches) and the span share "
+        "(the optimizer step and the messages outside the first forward to the last backward) "
+        "take the rest (`pp.csv`)."), "", *zero_bubble_paragraph(pp)]
+
+
 def main(argv=None):
+    global ROWS  # --rows: batch() and the worker read it; the workers get it as a flag
     ap = bench_parser("pp", "fewer micro-batch counts and steps")
     ap.sized("--steps", 8, 3, type=int, help="timed steps per configuration")
     ap.sized("--micro", list(MICRO), [1, 4, 16], type=int_list,
              help="micro-batch counts, comma-separated")
     ap.sized("--warmup", 2, 1, type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--rows", type=int, default=ROWS,
+                    help=f"rows per micro-batch (default {ROWS}); the micro-batch efficiency, "
+                         "and with it the speedup, grows with it")
     args = ap.parse_args(argv)
+    ROWS = args.rows
     micro = args.micro
     if args.worker:
         worker(micro, args.steps, args.warmup)
@@ -272,12 +419,12 @@ def main(argv=None):
     for p in RANKS:
         results += run_ranks(p, "mpipar.bench.pp", [
             "--worker", "--micro", ",".join(map(str, micro)), "--steps", args.steps,
-            "--warmup", args.warmup])
-    serial = {(p, m): serial_step_time(p, m, 2 if args.quick else 5) for p in RANKS for m in micro}
+            "--warmup", args.warmup, "--rows", ROWS])
     rows = []
     for res in results:
         p, m, name = res["ranks"], res["m"], res["schedule"]
         formula = bubble_formula(p, m, name)
+        parts = decomposition(res)
         for stage in range(p):
             rows.append(dict(
                 environment(ranks=p), bench="pp",
@@ -285,16 +432,20 @@ def main(argv=None):
                 dtype="float32", schedule=name, m=m, stage=stage,
                 bubble_measured=round(res["bubble"], 4), bubble_formula=round(formula, 4),
                 step_ms=round(res["step_s"] * 1e3, 3),
-                serial_step_ms=round(serial[(p, m)] * 1e3, 3),
-                speedup_vs_serial=round(serial[(p, m)] / res["step_s"], 3),
+                serial_step_ms=round(res["serial"] * 1e3, 3),
+                speedup_vs_serial=round(res["serial"] / res["step_s"], 3),
+                accumulated_step_ms=round(res["accumulated"] * 1e3, 3),
+                stage_compute_ms=round(res["busy_s"][stage] * 1e3, 3),
+                **{k: round(v, 4) for k, v in parts.items()},
                 peak_stash_bytes=res["peaks"][stage], in_flight=res["in_flight"][stage],
                 predicted_stash_bytes=res["predicted"][stage],
                 steps_timed=args.steps))
     path = write_csv("pp.csv", rows, args.out)
     per_config = [r for r in rows if r["stage"] == 0]
     pngs = [plot_bubble(per_config, args.out / "pp_bubble.png"),
-            plot_memory(rows, args.out / "pp_memory.png", 4, 8 if 8 in micro else max(micro)),
-            plot_timelines(results, 4, args.out / "pp_timelines.png")]
+            plot_memory(rows, args.out / "pp_memory.png", 4, 8 if 8 in micro else max(micro))]
+    if TIMELINE_M in micro:  # the timelines are drawn for m = TIMELINE_M only
+        pngs.append(plot_timelines(results, 4, args.out / "pp_timelines.png"))
     print(f"{'P':>2} {'schedule':<7} {'m':>3} {'bubble':>7} {'formula':>8} {'step ms':>8} "
           f"{'serial ms':>9} {'speedup':>7}  peak stash per stage (KiB)")
     for r in per_config:
@@ -316,6 +467,7 @@ def main(argv=None):
                   f"{one['bubble_measured']:.3f} (formulas {zb['bubble_formula']:.3f} vs "
                   f"{one['bubble_formula']:.3f}), step {zb['step_ms']:.1f} vs "
                   f"{one['step_ms']:.1f} ms ({zb['step_ms'] / one['step_ms']:.2f}x)")
+    print_decomposition(by)
     mismatch = [r for r in rows if r["peak_stash_bytes"] != r["predicted_stash_bytes"]]
     print(f"peak stash equals the prediction on every stage: {not mismatch}")
     wrote(path, *pngs)
