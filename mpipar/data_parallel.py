@@ -226,36 +226,45 @@ def backward_layers(model, dout, micro_id, grads_ready):
 class ZeroOptimizer:
     """ZeRO stage 1 around any elementwise optimizer (the reusable core of steps 4-5).
 
-    The parameters are seen as one flat vector padded to a multiple of P (Reduce_scatter works
-    on equal blocks); rank r owns block r, a Parameter ``shard`` whose optimizer state (Adam's
-    m and v) is 1/P of the full state. The shard is the master copy of its slice: parameters
-    change only through :meth:`step`. Updates are elementwise, so a shard's update is exactly
-    its slice of the full update.
+    The parameters and their gradients become views into two flat buffers padded to a multiple
+    of P (Reduce_scatter and Allgather work on equal blocks); rank r owns block r, a Parameter
+    ``shard`` whose data and gradient are views of block r of those buffers (no second copy)
+    and whose optimizer state (Adam's m and v) is 1/P of the full state. Updates are
+    elementwise, so a shard's update is exactly its slice of the full update. A rank holds
+    4 + 4 + 8/P bytes per float32 parameter with Adam (plus the padding, < P values).
     """
 
     def __init__(self, dp_comm, params, make_opt):
         self.comm, self.params = dp_comm, list(params)
         self.n = sum(p.size for p in self.params)
-        self.shard_size = -(-self.n // dp_comm.size)  # ceil(n / P)
-        self.flat = B.xp.zeros(self.shard_size * dp_comm.size, dtype=self.params[0].data.dtype)
-        flatten([p.data for p in self.params], self.flat)
-        lo = dp_comm.rank * self.shard_size
-        self.shard = nn.Parameter(self.shard_size)
+        self.shard_size = s = -(-self.n // dp_comm.size)  # ceil(n / P)
+        self.flat = flatten([p.data for p in self.params],
+                            B.xp.zeros(s * dp_comm.size, dtype=self.params[0].data.dtype))
+        self.flat_grad = B.xp.zeros_like(self.flat)  # (P * shard_size,), padding stays zero
+        for p, start in zip(self.params, comm.offsets([p.size for p in self.params])):
+            p.data = self.flat[start:start + p.size].reshape(p.shape)  # views: no copy
+            p.grad = self.flat_grad[start:start + p.size].reshape(p.shape)
+        lo = dp_comm.rank * s
+        self.shard = nn.Parameter(s)
         self.shard.name = f"zero1.shard{dp_comm.rank}"
-        self.shard.set(B.to_numpy(self.flat[lo:lo + self.shard_size]).copy())  # MPI: no aliasing
+        self.shard.data, self.shard.grad = self.flat[lo:lo + s], self.flat_grad[lo:lo + s]
         self.opt = make_opt([self.shard])
 
     def reduce_scatter_grads(self):
-        """shard.grad = the sum over ranks of this rank's block of the flat gradient."""
-        flatten([p.grad for p in self.params], self.flat)  # padding stays zero
-        self.comm.Reduce_scatter(self.flat, self.shard.grad, what="every gradient, flat, padded")
+        """shard.grad = the sum over ranks of this rank's block of the flat gradient. Comm has no
+        in-place Reduce_scatter (MPI forbids a receive buffer inside the send buffer), so the sum
+        lands in a temporary of shard_size values first."""
+        got = B.xp.empty_like(self.shard.grad)  # (shard_size,)
+        self.comm.Reduce_scatter(self.flat_grad, got, what="every gradient, flat, padded")
+        self.shard.grad[...] = got  # block r of the full gradients becomes its sum
 
     def update(self):
         self.opt.step()
 
     def allgather_params(self):
-        self.comm.Allgather(self.shard.data, self.flat, what="every rank's updated shard")
-        unflatten(self.flat[:self.n], [p.data for p in self.params])
+        """Every rank's updated block into the flat parameters (the replica's views). The own
+        block goes out from a temporary copy: a send buffer may not lie in the receive buffer."""
+        self.comm.Allgather(self.shard.data.copy(), self.flat, what="every rank's updated shard")
 
     def step(self):
         self.reduce_scatter_grads()
@@ -321,8 +330,9 @@ class Replica:
         return loss
 
     def global_loss(self, loss):
-        """The sum of the replicas' losses (small metadata: P floats, pickled)."""
-        return sum(self.comm.allgather_obj(loss, what="the replicas' losses, to print"))
+        """The sum of the replicas' losses, on every rank (the runner stops every rank at once
+        when it is not finite): one 8-byte Allreduce, not a pickled allgather of P floats."""
+        return self.comm.sum_float(loss, what="the replicas' losses, to print")
 
     def full_params(self):
         """Every replica holds the whole model: rank 0's, under the serial names."""
@@ -425,6 +435,7 @@ class ZeroScheme(Replica):
     def __init__(self, task, grid, args, model=None):
         super().__init__(task, grid, args, model)
         self.opt = ZeroOptimizer(self.comm, self.params, lambda ps: serial.make_optimizer(args, ps))
+        self.flat = self.opt.flat[:self.n]  # Step 1's buffer is dropped: the parameters, flat
 
     def step(self, step):
         self.model.zero_grad()

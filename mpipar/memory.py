@@ -18,10 +18,12 @@ finds what it does hold, from the arrays the trainer references, with no formula
    ``base``) and that owner's bytes are counted once and whole (a view keeps all of it alive),
    under the first kind in :data:`KINDS` that names it.
 3. Find a step's peak (:class:`Probe`): activations exist only during a step, and ZeRO-3
-   gathers a layer's parameters only while the layer runs. For one step the probe wraps the
-   forward and backward (both halves, where a backward is split) of every top-level layer (a
-   pipeline stage is one unit, as its schedule runs it) and of the loss, and counts after each
-   call: each kind's peak, and the peak of their sum at one moment.
+   gathers a layer's parameters only while the layer runs (with --overlap, also while its
+   neighbour runs: the prefetch's receive buffer is the parameters' storage, counted). For
+   one step the probe wraps the forward and backward (both halves, where a backward is split)
+   of every top-level layer (a pipeline stage is one unit, as its schedule runs it) and of
+   the loss, and counts after each call: each kind's peak, and the peak of their sum at one
+   moment.
 4. Gather every rank's ledger to world rank 0 (small metadata, pickled) and print one table,
    beside the cost model's prediction for the same layout (:func:`lines`).
 
@@ -44,10 +46,11 @@ CALLS = ("forward", "backward", "backward_input", "backward_weight")  # the prob
 # trainer class -> (its Parameters, its optimizer, the flat buffers it keeps between steps)
 HOLDINGS = {
     "Serial": lambda t: (t.model.parameters(), t.opt, []),
-    # data parallelism: Replica.flat is Step 1's Bcast buffer, kept by ZeRO-0 and -1
+    # data parallelism: Replica.flat is Step 1's Bcast buffer, kept by ZeRO-0 (ZeRO-1's is a
+    # view of its flat parameters, ZeRO-2 and -3 drop it)
     "MasterScheme": lambda t: (t.params, t.opt, [t.flat, t.flat_sum]),  # flat_sum: the Reduce's
     "AllreduceScheme": lambda t: (t.params, t.opt, [t.flat] + [b.flat for b in t.sync.buckets]),
-    "ZeroScheme": lambda t: (t.params + [t.opt.shard], t.opt.opt, [t.flat, t.opt.flat]),
+    "ZeroScheme": lambda t: (t.params + [t.opt.shard], t.opt.opt, []),
     "Zero2Scheme": lambda t: (t.params + [g.shard for g in t.groups], t.opt,
                               [g.flat_grad for g in t.groups]),
     "Zero3Scheme": lambda t: (t.params + [g.shard for g in t.groups], t.opt,
@@ -56,7 +59,8 @@ HOLDINGS = {
     "TensorParallel": lambda t: (t.model.parameters() + (getattr(t.updater, "master", None) or []),
                                  getattr(t.updater, "opt", None), []),
     "Pipeline": lambda t: (t.opt.params, t.opt, []),
-    "Hybrid": lambda t: (t.stage.parameters(), t.update.local.opt,
+    "Hybrid": lambda t: (t.stage.parameters() + ([t.update.zero.shard] if t.update.zero else []),
+                         t.update.opt,
                          [b.flat for b in t.update.sync.buckets] if t.update.sync else []),
 }
 

@@ -17,11 +17,13 @@ device, and alpha (seconds per message) and beta (seconds per byte) of its links
   (:func:`mpipar.schedules.schedule`) replayed by :func:`mpipar.schedules.simulate` with each
   stage's forward and backward times and alpha + n beta per activation or gradient message, so
   the bubble comes out of the replay, not out of the closed formula (p-1)/(m+p-1);
-- data-parallel gradient allreduce once per step (ring over d ranks, not overlapped);
+- data-parallel gradient allreduce once per step (ring over d ranks, not overlapped); with
+  ZeRO-3 each layer's two allgathers and one reduce-scatter per micro-batch instead, and with
+  ZeRO-1 to 3 an update of 1/d of the parameters;
+- recomputation: full, one more forward in the backward; selective, attention's core again;
 - memory per rank: parameters, gradients, optimizer state (Adam: 2 values per parameter,
-  divided by d with ZeRO-1; ZeRO-2 divides the gradients too, ZeRO-3 the parameters too, in
-  memory only: the step time models ZeRO-1's) and the activations of the most micro-batches a
-  stage stashes.
+  divided by d with ZeRO-1; ZeRO-2 divides the gradients too, ZeRO-3 the parameters too) and
+  the activations of the most micro-batches a stage stashes.
 
 - ranks that share cores (more ranks than cores, as on a small build machine): given a table
   {k: speed of a rank while k compute}, the replay shares the cores among the stages that
@@ -31,9 +33,11 @@ rate plus a fixed cost per layer", and contention of the links.
 """
 
 import argparse
+import csv
 import json
 import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -89,11 +93,26 @@ PRESETS = {
 
 
 def this_machine(flops, alpha, beta, memory=24 * 2**30, layer_overhead=0.0,
-                 update_per_param=0.0, allreduce=None):
+                 update_per_param=0.0, allreduce=None, name="this machine (measured)"):
     """The build machine: every link is shared memory, so one alpha and beta serve all."""
-    return Hardware("this machine (measured)", flops, alpha, beta, alpha, beta, memory,
-                    "FLOP rate and alpha/beta measured in the same run", layer_overhead,
-                    update_per_param, allreduce)
+    return Hardware(name, flops, alpha, beta, alpha, beta, memory, "FLOP rate, alpha, beta "
+                    "as measured", layer_overhead, update_per_param, allreduce)
+
+
+def measured_machine(flops=None, alpha=None, beta=None, folder=Path(__file__).parents[1] / "plots"):
+    """``--hardware this``: one rank's GEMM rate alone (plots/flops.csv) and the ping-pong's alpha
+    and beta (plots/net.csv); a number given as a flag wins; without the CSVs, the defaults."""
+    try:
+        rate = next(float(r["gflops_per_rank"]) * 1e9 for r in csv.DictReader(
+            open(folder / "flops.csv")) if r["ranks"] == r["computing"] == "1")
+        ping = next(r for r in csv.DictReader(open(folder / "net.csv")) if r["kind"] == "pingpong")
+        found, how = (rate, float(ping["alpha"]), float(ping["beta"])), "measured"
+    except (OSError, StopIteration):
+        found, how = (20e9, 5e-6, 1 / 8e9), "defaults"
+    f, a, b = (v if v is not None else d for v, d in zip((flops, alpha, beta), found))
+    how += ", flags given" if {flops, alpha, beta} != {None} else ""
+    return this_machine(f, a, b, name=f"this machine ({how}: {f / 1e9:.1f} GFLOP/s, alpha "
+                                      f"{a * 1e6:.2f} us, beta {b * 1e9:.4f} ns/B)")
 
 
 # ----------------------------------------------------------------------------- the models
@@ -125,11 +144,13 @@ class GPTSpec:
     def stash_bytes(self, layer, rows, tp, dtype_bytes, recompute=False):
         if not isinstance(layer, nn.Block):
             return 0.0
-        if recompute:  # only the block's input is kept; the rest is recomputed in backward
+        if recompute and recompute != "selective":  # full: only the block's input is kept
             return self.message_bytes(rows, dtype_bytes)
-        # Korthikanti et al. 2022: s b h (10 + 24/t + 5 a s / (h t)) bytes in 16-bit
+        # Korthikanti et al. 2022: s b h (10 + 24/t + 5 a s / (h t)) bytes in 16-bit; selective
+        # recomputation drops the last term, attention's softmax part (their Sec. 5)
         s, h, a = self.seq_len, self.d_model, self.n_heads
-        return s * rows * h * (10 + 24 / tp + 5 * a * s / (h * tp)) * dtype_bytes / 2
+        core = 0 if recompute == "selective" else 5 * a * s / (h * tp)
+        return s * rows * h * (10 + 24 / tp + core) * dtype_bytes / 2
 
 
 @dataclass
@@ -151,7 +172,6 @@ class MLPSpec:
         if isinstance(layer, nn.Linear):  # a Linear keeps its input for dW = x^T dout
             return rows * layer.W.shape[0] * dtype_bytes / tp
         return 0.0
-
 
 GPT3 = GPTSpec(vocab=50257, d_model=12288, n_heads=96, n_layers=96, seq_len=2048)  # 175B
 
@@ -178,7 +198,11 @@ def layer_table(spec, micro_rows, tp=1, dtype_bytes=2, recompute=False):
     flops = plan.layer_flops(model, spec.input_shape(micro_rows))
     return [dict(name=name, flops=f, params=sum(p.size for p in layer.parameters()),
                  tp_allreduces=TP_ALLREDUCES.get(type(layer), (0, 0)),
-                 stash=spec.stash_bytes(layer, micro_rows, tp, dtype_bytes, recompute))
+                 stash=spec.stash_bytes(layer, micro_rows, tp, dtype_bytes, recompute),
+                 # attention's core (q k^T, p v: 2 b s^2 h FLOPs each), which selective
+                 # recomputation runs again in the backward
+                 core=4 * micro_rows * spec.seq_len ** 2 * spec.d_model
+                 if isinstance(layer, nn.Block) else 0)
             for (name, layer), f in zip(model.layers, flops)]
 
 
@@ -223,7 +247,13 @@ def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f
     """Predicted step time (and its parts) and memory per rank.
 
     ``recompute``: keep only each block's input and recompute its forward in backward (the
-    backward then costs 3 forwards instead of 2). ``compute_share`` scales the FLOP rate when
+    backward then costs 3 forwards instead of 2); "selective": keep all but attention's
+    softmax part, whose forward (the table's ``core``) the backward runs again. ``zero`` 3: each
+    layer's parameters are allgathered twice and its gradient reduce-scattered once per
+    micro-batch, in place of the one allreduce: 1.5 allreduces of the layer's bytes (an
+    allreduce is a reduce-scatter and an allgather), with a ring 3 (d-1) alpha + 3 (d-1)/d n
+    beta.
+    ``compute_share`` scales the FLOP rate when
     ranks share a core (oversubscription): one number for every moment, or a table
     {k: share while k ranks compute}, for which the pipeline is replayed with the cores shared
     among the stages that compute at each moment (:func:`shared_replay`). Such a table is the
@@ -246,7 +276,7 @@ def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f
     allreduce = hw.allreduce_time(act_bytes, tp, hw.tp_alpha, hw.tp_beta)
     per_token = hw.allreduce_time(act_bytes / spec.d_model if isinstance(spec, GPTSpec)
                                     else 0.0, tp, hw.tp_alpha, hw.tp_beta)
-    backward_factor = 3.0 if recompute else 2.0
+    backward_factor = 3.0 if recompute and recompute != "selective" else 2.0
 
     fwd, bwd, comm, stage_params, stage_stash = [], [], [], [], []
     start = 0
@@ -257,8 +287,9 @@ def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f
         big = sum(r["tp_allreduces"][0] for r in layers)
         small = sum(r["tp_allreduces"][1] for r in layers)
         fixed = c * hw.layer_overhead
+        core = (recompute == "selective") * sum(r["core"] for r in layers) * scale / tp
         fwd.append(fixed + flops / rate)
-        bwd.append(2 * fixed + backward_factor * flops / rate)
+        bwd.append(2 * fixed + (backward_factor * flops + core) / rate)
         comm.append((big * allreduce + small * per_token) / 2)  # in each pass: half of them
         stage_params.append(sum(r["params"] for r in layers) / tp)
         stage_stash.append(sum(r["stash"] for r in layers) * scale)
@@ -280,6 +311,10 @@ def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f
 
     grad_bytes = max(stage_params) * dtype_bytes
     dp_time = hw.allreduce_time(grad_bytes, dp, hw.net_alpha, hw.net_beta)
+    if zero >= 3:  # per micro-batch and layer Allgather, Allgather, Reduce_scatter: 1.5 allreduces
+        layers = table[sum(counts[:busiest]):][:counts[busiest]]  # the busiest stage's
+        dp_time = n_micro * sum(1.5 * hw.allreduce_time(r["params"] / tp * dtype_bytes, dp,
+                                hw.net_alpha, hw.net_beta) for r in layers if r["params"])
     # the optimizer update: of a stage's parameters, of 1/d of them with ZeRO-1
     update = max(stage_params) * hw.update_per_param / (dp if zero else 1) / compute_share
     total = pipeline_time + dp_time + update
@@ -315,14 +350,8 @@ def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f
 # ----------------------------------------------------------------------------- extrapolation
 def gpt3_layouts(n_devices, per_node=8):
     """Layouts for n devices: TP inside a node (at most 8), PP across nodes, DP for the rest."""
-    out = []
-    for tp in (1, 2, 4, 8):
-        for pp in (1, 2, 4, 8, 16, 32, 64):
-            if tp > per_node or n_devices % (tp * pp):
-                continue
-            dp = n_devices // (tp * pp)
-            out.append((dp, tp, pp))
-    return out
+    return [(n_devices // (tp * pp), tp, pp) for tp in (1, 2, 4, 8)
+            for pp in (1, 2, 4, 8, 16, 32, 64) if tp <= per_node and not n_devices % (tp * pp)]
 
 
 def extrapolate(hw_name="a100", global_batch=1536, devices=(8, 16, 32, 64, 128, 256, 512, 1024)):
@@ -333,9 +362,8 @@ def extrapolate(hw_name="a100", global_batch=1536, devices=(8, 16, 32, 64, 128, 
         for dp, tp, pp in gpt3_layouts(n):
             if global_batch % dp:
                 continue
-            n_micro = global_batch // dp  # micro-batches of one sequence, as Megatron-LM ran
-            if pp == 1:
-                n_micro = 1  # without a pipeline, one pass over the replica's rows
+            # micro-batches of one sequence, as Megatron-LM ran; without a pipeline, one pass
+            n_micro = global_batch // dp if pp > 1 else 1
             r = predict(GPT3, hw, dp, tp, pp, global_batch, n_micro, "1f1b", dtype_bytes=2,
                         zero=1, recompute=True)
             r["efficiency"] = r["model_flops_per_s"] / (n * hw.flops / 0.5)  # of peak
@@ -396,11 +424,9 @@ def main(argv=None):
     ap.add_argument("--micro-batches", type=count, default=1)
     ap.add_argument("--schedule", choices=list(schedules.SCHEDULES), default="1f1b")
     ap.add_argument("--hardware", choices=["this", *PRESETS], default="this")
-    ap.add_argument("--flops", type=rate, default=20e9, help="FLOP/s, with --hardware this")
-    ap.add_argument("--alpha", type=cost, default=5e-6,
-                    help="s per message, --hardware this (0: free messages)")
-    ap.add_argument("--beta", type=cost, default=1 / 8e9,
-                    help="s per byte, --hardware this (0: infinite bandwidth)")
+    ap.add_argument("--flops", type=rate, help="FLOP/s, --hardware this (default: flops.csv)")
+    ap.add_argument("--alpha", type=cost, help="s per message, --hardware this (0: free)")
+    ap.add_argument("--beta", type=cost, help="s per byte, --hardware this (default: net.csv)")
     ap.add_argument("--dtype-bytes", type=count, default=4)
     ap.add_argument("--zero", type=int, choices=[0, 1], default=0)
     ap.add_argument("--recompute", action="store_true", help="recompute activations in backward")
@@ -411,7 +437,7 @@ def main(argv=None):
     problem = layout_problem(spec, args)
     if problem:
         ap.error(problem)
-    hw = this_machine(args.flops, args.alpha, args.beta) if args.hardware == "this" \
+    hw = measured_machine(args.flops, args.alpha, args.beta) if args.hardware == "this" \
         else PRESETS[args.hardware]
     r = predict(spec, hw, args.dp, args.tp, args.pp, args.batch_size, args.micro_batches,
                 args.schedule, args.dtype_bytes, args.zero, args.recompute)

@@ -161,7 +161,7 @@ class PipelineReport(Report):
 class HybridReport(Report):
     def header(self):
         a, grid, trainer = self.a, self.grid, self.trainer
-        sync = "" if a.dp == 1 else (
+        sync = "" if a.dp == 1 else ", dp ZeRO-1 (Reduce_scatter, Allgather)" if a.zero else (
             f", dp gradient sum in {len(trainer.update.sync.buckets)} bucket(s)"
             + (" overlapped" if a.overlap else ""))
         head = (f"hybrid: {a.model} with {self.n_params:,} parameters on {grid.world.size} "
@@ -340,7 +340,7 @@ def main(scheme, argv=None):
         return
     trainer = trainer_class(scheme, a)(task, grid, a)
     if a.recompute:
-        recompute.apply(trainer)
+        recompute.apply(trainer, a.recompute)
     if a.clip_grad:
         clip.apply(trainer, a.clip_grad)
     start, loss = checkpoint.load(a.resume, trainer, a) if a.resume else (0, None)

@@ -20,7 +20,10 @@ ZeRO-2 (:class:`Zero2Scheme`): the data-parallel steps with Steps 4 and 5 change
    Reduce_scatter, one call per bucket after the backward. With ``--overlap`` a bucket starts as
    soon as the backward has made its gradients final; mpipar.comm has no non-blocking
    Reduce_scatter, so :class:`PostedReduceScatter` builds one from the wrapper's Irecv and Isend.
-5. The updated shards are allgathered into every replica, bucket by bucket.
+5. The updated shards are allgathered into every replica, bucket by bucket. The parameters
+   are views into one padded buffer per bucket, kept all run, whose block r is the shard's
+   values (:meth:`FlatShard.keep_whole`): a rank holds 4 + (4 + 8)/P bytes per float32
+   parameter with Adam, not a second copy of its block.
 
 ZeRO-3 (:class:`Zero3Scheme`): one FlatShard per layer of ``model.layers``.
 
@@ -33,6 +36,10 @@ ZeRO-3 (:class:`Zero3Scheme`): one FlatShard per layer of ``model.layers``.
 4. Backward, layer by layer in reverse: Allgather them again, run the layer's backward into a
    fresh full gradient, Reduce_scatter that gradient at once (rank r adds block r to its shard's
    gradient) and free both. Steps 3 and 4 run once per ``--micro-batches`` piece.
+   With ``--overlap`` (prefetch, as FSDP's forward and backward prefetch), each layer's
+   Allgather is posted before the previous layer runs (:class:`PostedAllgather`, from Isend and
+   Irecv: mpipar.comm has no Iallgather), so its bytes travel while that layer computes; a rank
+   then holds two layers' full parameters at once, not one.
 5. Each rank updates its shards with its own 1/P of the optimizer state. Nothing is sent: the
    next forward gathers what it needs.
 
@@ -46,15 +53,18 @@ block included, so each counts Psi; (P-1)/P of it crosses the wire). Rajbhandari
                 in one call of each per bucket; with --overlap each bucket's reduce-scatter is
                 P-1 Isend and P-1 Irecv of one block: (P-1)/P Psi sent in all, as much received
     zero 3      per layer: Allgather (forward) + Allgather (backward) + Reduce_scatter = 3 Psi,
-                1.5 times the allreduce, in 3 calls per layer (and per micro-batch)
+                1.5 times the allreduce, in 3 calls per layer (and per micro-batch); with
+                --overlap each Allgather is P-1 Isend and P-1 Irecv of one block
 
 Run:
 
     mpirun -n 4 python -m mpipar.data_parallel --sync allreduce --zero 2 --bucket-mb 0.05 --overlap
     mpirun -n 4 python -m mpipar.data_parallel --model gpt --sync allreduce --zero 3 --explain
+    mpirun -n 4 python -m mpipar.data_parallel --model gpt --sync allreduce --zero 3 --overlap
 
-Left out on purpose: prefetching (FSDP posts the next layer's Allgather while this layer
-computes; here each Allgather blocks, as does ZeRO-3's Reduce_scatter), keeping the last layer
+Left out on purpose: prefetching across the forward-backward boundary, a non-blocking ZeRO-3
+Reduce_scatter (each layer's gradient sum still blocks before the next layer's backward; with
+--overlap only the Allgathers are posted), keeping the last layer
 gathered from its forward to its backward, freeing a ZeRO-2 bucket's full gradient before the
 backward ends (the layers accumulate into parameter-shaped gradients, so a step's full gradients
 exist together at its end), initialising each shard without the whole model (Step 1 reuses the
@@ -86,6 +96,16 @@ class FlatShard:
         self.shard.name = f"{name}, shard {dp_comm.rank}"
         self.shard.set(B.to_numpy(flat[lo:lo + self.shard_size]))  # a copy, gradient zeros
         self.flat_grad, self.request = None, None
+        self.flat = None  # ZeRO-2's whole parameters (see keep_whole); ZeRO-3 frees them
+
+    def keep_whole(self):
+        """ZeRO-2: the parameters stay whole between steps, as views into one padded buffer
+        kept all run, whose block r is the shard's data (one copy of each value, not two)."""
+        self.flat = comm.flatten([p.data for p in self.params], self.padded())
+        for p, view in zip(self.params, self._views(self.flat)):
+            p.data = view
+        lo = self.comm.rank * self.shard_size
+        self.shard.data = self.flat[lo:lo + self.shard_size]  # (shard_size,), a view
 
     def padded(self):
         return B.xp.zeros(self.shard_size * self.comm.size, dtype=B.dtype)  # (P * shard_size,)
@@ -95,11 +115,27 @@ class FlatShard:
         return [flat[s:s + p.size].reshape(p.shape) for p, s in zip(self.params, self.starts)]
 
     def gather_params(self, why):
-        """Every rank's shard into a fresh full buffer, whose views become the parameters."""
+        """Every rank's shard into a fresh full buffer, whose views become the parameters; or,
+        kept whole (ZeRO-2), into the kept buffer, from a temporary copy of the own block (a
+        send buffer may not lie inside the receive buffer)."""
+        if self.flat is not None:
+            self.comm.Allgather(self.shard.data.copy(), self.flat,
+                                what=f"{self.name}: parameters, {why}")
+            return
         flat = B.xp.empty(self.shard_size * self.comm.size, dtype=B.dtype)  # (P * shard_size,)
         self.comm.Allgather(self.shard.data, flat, what=f"{self.name}: parameters, {why}")
         for p, view in zip(self.params, self._views(flat)):
             p.data = view
+
+    def post_gather(self, why, tag):
+        """:meth:`gather_params`, posted (ZeRO-3's prefetch): the parameters are views into the
+        receive buffer at once, their values valid after the request's ``wait``."""
+        flat = B.xp.empty(self.shard_size * self.comm.size, dtype=B.dtype)  # (P * shard_size,)
+        request = PostedAllgather(self.comm, self.shard.data, flat, tag,
+                                  f"{self.name}: parameters, {why}")
+        for p, view in zip(self.params, self._views(flat)):
+            p.data = view
+        return request
 
     def new_grads(self):
         """Zero full gradients as views into one padded buffer, which backward fills and the
@@ -155,6 +191,27 @@ class PostedReduceScatter:
         for req in self.requests:
             req.wait()
         self.out += self.got.sum(axis=0)  # (shard_size,)
+
+
+class PostedAllgather:
+    """A non-blocking allgather of ``shard`` into ``flat`` (block q from rank q), from the
+    wrapper's Irecv and Isend (mpipar.comm has no Iallgather): rank r sends its shard to each
+    other rank and receives theirs, P-1 messages of one block each way, (P-1)/P of the buffer.
+    Every receive is posted before any send, so this cannot deadlock, not even with
+    synchronous sends (MPIPAR_SSEND=1)."""
+
+    def __init__(self, dp_comm, shard, flat, tag, what):
+        p, r = dp_comm.size, dp_comm.rank
+        blocks = flat.reshape(p, -1)  # (P, shard_size): row q comes from rank q
+        blocks[r] = shard  # its own block needs no message
+        peers = [(r + k) % p for k in range(1, p)]
+        self.requests = [dp_comm.Irecv(blocks[q], q, tag, what=f"{what}, block {q}")
+                         for q in peers]
+        self.requests += [dp_comm.Isend(shard, q, tag, what=f"{what}, block {r}") for q in peers]
+
+    def wait(self):
+        for req in self.requests:
+            req.wait()
 
 
 class ShardedGradSync:
@@ -219,13 +276,14 @@ class Sharded(Replica):
         self.flat = None  # Replica's full flat buffer served the Bcast only
 
     def memory(self):
-        """Bytes this rank holds now: parameters and gradients (full and sharded), optimizer
-        state. Between ZeRO-3 steps each is 1/P of the serial trainer's (plus padding)."""
-        held = lambda arrays: sum(a.nbytes for a in arrays if a is not None)  # noqa: E731
-        shards = [g.shard for g in self.groups]
-        return {"param_bytes": held(p.data for p in self.params) + held(s.data for s in shards),
-                "grad_bytes": held(p.grad for p in self.params) + held(s.grad for s in shards),
-                "optimizer_bytes": self.opt.state_bytes()}
+        """Bytes this rank holds now, each buffer once (:mod:`mpipar.memory`): parameters and
+        gradients (full and sharded), optimizer state. Between ZeRO-3 steps each is 1/P of the
+        serial trainer's (plus padding); ZeRO-2 holds the parameters whole."""
+        from mpipar import memory
+
+        held = memory.count(memory.arrays_of(self))
+        return {"param_bytes": held["params"], "grad_bytes": held["grads"],
+                "optimizer_bytes": held["optimizer"]}
 
 
 class Zero2Scheme(Sharded):
@@ -235,9 +293,10 @@ class Zero2Scheme(Sharded):
     def __init__(self, task, grid, args, model=None):
         super().__init__(task, grid, args, model)
         self.sync = ShardedGradSync(self.comm, self.params, args.bucket_mb, args.overlap)
-        self.keep_shards(self.sync.buckets)
-        for b in self.groups:
+        for b in self.sync.buckets:
+            b.keep_whole()
             b.free_grads()  # the full gradients exist during a step only
+        self.keep_shards(self.sync.buckets)
 
     def step(self, step):
         for b in self.groups:
@@ -300,12 +359,8 @@ class Zero3Scheme(Sharded):
             comm.narrate(f"Z3 Step 3: forward of micro-batch {micro_id} ({n} rows), layer by "
                          f"layer: Allgather its parameters, run it, free them")
             out = x[lo:lo + n]
-            for layer, g in self.layers:
-                if g is not None:
-                    g.gather_params("for its forward")
+            for layer, _ in self.each_gathered(self.layers, "for its forward"):
                 out = layer.forward(out, micro_id)
-                if g is not None:
-                    g.free_params()
             loss += self.task.loss_fn.forward(out, y[lo:lo + n], normalizer, micro_id)
 
             # -- Z3 Step 4: backward, layer by layer in reverse: Allgather the parameters again,
@@ -313,20 +368,37 @@ class Zero3Scheme(Sharded):
             comm.narrate(f"Z3 Step 4: backward of micro-batch {micro_id}, layer by layer in "
                          "reverse: Allgather, backward, Reduce_scatter the gradient, free both")
             dout = self.task.loss_fn.backward(1.0, micro_id)
-            for layer, g in reversed(self.layers):
+            for layer, g in self.each_gathered(self.layers[::-1], "for its backward"):
                 if g is not None:
-                    g.gather_params("for its backward")
                     g.new_grads()
                 dout = layer.backward(dout, micro_id)
                 if g is not None:
                     g.reduce_scatter_grads()
-                    g.free_params()
 
         # -- Z3 Step 5: each rank updates its shards; nothing is sent (the next forward gathers) --
         comm.narrate(f"Z3 Step 5: rank {self.rank} updates its shards with its 1/{self.size} of "
                      "the optimizer state; nothing to send")
         self.opt.step()
         return self.global_loss(loss)
+
+    def each_gathered(self, layers, why):
+        """Each (layer, its FlatShard or None) of ``layers``, its parameters gathered while the
+        caller runs it and freed after. With ``--overlap`` (prefetch), the next layer's gather
+        is posted before this layer runs, so it arrives while this one computes: then two
+        layers' full parameters are held at once, not one."""
+        prefetch, shards = self.args.overlap, [g for _, g in layers if g is not None]
+        ahead = shards[0].post_gather(why, 0) if prefetch and shards else None
+        k = 0  # the layers with parameters reached so far
+        for layer, g in layers:
+            if g is not None and prefetch:
+                ahead.wait()
+                ahead = shards[k + 1].post_gather(why, k + 1) if k + 1 < len(shards) else None
+            elif g is not None:
+                g.gather_params(why)
+            k += g is not None
+            yield layer, g
+            if g is not None:
+                g.free_params()
 
     def gathered(self):
         """The whole model {canonical name: host array} on every rank, one layer at a time."""

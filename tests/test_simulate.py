@@ -1,4 +1,4 @@
-"""The cost model agrees with the formulas of REFERENCE.md where they apply."""
+"""The cost model agrees with the formulas of lessons/formulas.md where they apply."""
 
 import json
 import subprocess
@@ -241,6 +241,35 @@ def test_zero1_shards_the_optimizer_update():
                    for z in (0, 1))
     n = 2 * (256 * 256 + 256)
     assert plain - zero == pytest.approx(n * 1e-8 * (1 - 1 / 4), rel=1e-9)
+
+
+def test_zero3_adds_two_allgathers_and_a_reduce_scatter_per_layer_and_micro_batch():
+    """The MLP's 2 layers of 65,792 values in float32 over 4 ranks, 2 micro-batches: 3 calls
+    of (d-1) alpha + (d-1)/d n beta per layer and micro-batch, in place of one allreduce."""
+    spec, alpha, beta = S.MLPSpec((256, 256, 256)), 1e-5, 1e-9
+    hw = S.this_machine(1e10, alpha, beta)
+    two, three = (S.predict(spec, hw, dp=4, global_batch=64, n_micro=2, dtype_bytes=4, zero=z)
+                  for z in (2, 3))
+    n = 4 * (256 * 256 + 256)
+    assert two["dp_comm_s"] == pytest.approx(6 * alpha + 1.5 * 2 * n * beta, rel=1e-12)
+    assert three["dp_comm_s"] == pytest.approx(2 * 2 * 3 * (3 * alpha + 0.75 * n * beta))
+    assert three["step_s"] - two["step_s"] == pytest.approx(
+        three["dp_comm_s"] - two["dp_comm_s"], rel=1e-9)
+
+
+def test_selective_recomputation_adds_attention_core_and_keeps_the_rest():
+    """GPT blocks of width 64 over 32 tokens, 4 rows: the backward runs attention's core (q k^T
+    and p v, 4 b s^2 h FLOPs a block) once more; the stash loses the softmax term 5 a s/h only."""
+    spec, b, s, h = S.GPTSpec(50, 64, 4, 2, 32), 4, 32, 64
+    hw = S.this_machine(1e9, 0.0, 0.0)
+    none, full, sel = (S.predict(spec, hw, global_batch=b, dtype_bytes=2, recompute=r)
+                       for r in (False, "full", "selective"))
+    assert sel["step_s"] - none["step_s"] == pytest.approx(2 * 4 * b * s * s * h / 1e9, rel=1e-9)
+    assert none["step_s"] < sel["step_s"] < full["step_s"]
+    assert none["mem_activations_bytes"] - sel["mem_activations_bytes"] == pytest.approx(
+        2 * s * b * h * 5 * 4 * s / h)
+    assert full["mem_activations_bytes"] < sel["mem_activations_bytes"]
+    assert S.predict(spec, hw, global_batch=b, recompute=True)["step_s"] == full["step_s"]
 
 
 @pytest.mark.parametrize("flags, says", [

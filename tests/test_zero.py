@@ -98,8 +98,8 @@ def test_resumed_from_and_to_zero_2_and_3_equals_the_serial_run(chain, tmp_path,
 
 @pytest.mark.parametrize("flags,message", [
     (["--zero", "3"], "use --sync allreduce --zero 3"),
-    (["--zero", "2", "--sync", "ring"], "not the hand-written ring"),
-    (["--zero", "3", "--sync", "allreduce", "--overlap"], "are ZeRO-2's: use --zero 2"),
+    (["--zero", "2", "--sync", "ring"], "which --sync ring does not use"),
+    (["--zero", "3", "--sync", "allreduce", "--bucket-mb", "1"], "are ZeRO-2's: use --zero 2"),
     (["--zero", "4"], "invalid choice: 4"),
 ])
 def test_bad_zero_flags_are_refused_on_every_rank(flags, message):

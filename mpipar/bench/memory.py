@@ -6,9 +6,10 @@ stages 0 to 3 on 1, 2 and 4 ranks, and a pipeline with activation recomputation 
 Two experiments, each trained with Adam in float32 under mpirun, one BLAS thread per rank:
 
 - ZeRO: a GPT of 1.6 M parameters (width 256, 2 blocks, 32 tokens) on a global batch of 8
-  sequences, ``--sync allreduce --zero 0..3`` on P = 1, 2 and 4 ranks;
+  sequences, ``--sync allreduce --zero 0..3`` and ZeRO-3 with prefetch (``--overlap``, two
+  layers' parameters at once) on P = 1, 2 and 4 ranks;
 - pipeline: a GPT of 0.8 M parameters (width 128, 4 blocks), 1F1B with 8 micro-batches of 4
-  sequences, ``--recompute`` off and on, on 2 and 4 stages.
+  sequences, ``--recompute`` off, full and selective, on 2 and 4 stages.
 
 Each launch builds every configuration of its experiment and runs them in interleaved rounds
 (load from other work hits them alike). In a round each configuration takes one step under a
@@ -24,6 +25,11 @@ of parameters, gradients and Adam's state (Rajbhandari et al. 2020, arXiv:1910.0
 for a pipeline stage, 16 bytes for each of its parameters. 4 ranks on 2 cores are
 oversubscribed: the times show the price of sharing cores, the bytes do not change. Each row
 records the load average when the run began (the machine may be shared).
+
+``predicted_step_ms`` is the cost model's step time (:func:`add_predictions`): its FLOP rate
+fitted to the experiment's base configuration (ZeRO-0; recompute off) on as many ranks, so
+what it predicts is what ZeRO-3's per-layer allgathers and reduce-scatters and recomputation's
+extra forward add to that base; ``predicted_over_measured`` their ratio.
 """
 
 import os
@@ -46,9 +52,12 @@ MODELS = {"zero": ["--model", "gpt", "--d-model", "256", "--n-layers", "2", "--b
           "pipeline": ["--model", "gpt", "--d-model", "128", "--n-layers", "4", "--batch-size",
                        "32", "--micro-batches", "8", "--timeline", "none"]}
 CONFIGS = {"zero": [(f"ZeRO-{z}", "data_parallel", ["--sync", "allreduce", "--zero", str(z)])
-                    for z in range(4)],
+                    for z in range(4)] + [("ZeRO-3 prefetch", "data_parallel",
+                                           ["--sync", "allreduce", "--zero", "3", "--overlap"])],
            "pipeline": [("recompute off", "pipeline", []),
-                        ("recompute on", "pipeline", ["--recompute"])]}
+                        ("recompute on", "pipeline", ["--recompute"]),
+                        ("recompute selective", "pipeline", ["--recompute", "selective"])]}
+BASE = {"zero": "ZeRO-0", "pipeline": "recompute off"}  # what a prediction's rate is fitted to
 RANKS = {"zero": (1, 2, 4), "pipeline": (2, 4)}
 
 
@@ -76,7 +85,7 @@ def build(experiment, world_size):
         grid = Grid(dp=world_size) if scheme == "data_parallel" else Grid(pp=world_size)
         trainer = trainer_class(scheme, a)(task, grid, a)
         if a.recompute:
-            recompute.apply(trainer)
+            recompute.apply(trainer, a.recompute)
         n = sum(p.size for p in task.build_model().parameters())
         built.append(dict(name=name, trainer=trainer, n=n, formula=formula(a, trainer, n),
                           ledgers=[], times=[]))
@@ -109,6 +118,89 @@ def worker(experiment, rounds, steps):
         if world.rank == 0:
             emit(dict(experiment=experiment, config=c["name"], ranks=world.size, params=c["n"],
                       per_rank=per_rank, step_s=c["times"]))
+
+
+# ----------------------------------------------------------------------------- the cost model
+VOCAB = {}  # (experiment, width) -> the data set's vocabulary
+
+
+def update_cost(experiment, repeats=7):
+    """Seconds per parameter of Adam's update and zero_grad on the experiment's model in
+    float32, timed here (median of ``repeats``): the part of a step that grows with the
+    parameters a rank updates, which ZeRO divides by P (``Hardware.update_per_param``)."""
+    import statistics
+    import time
+
+    from mpipar import serial
+    from mpipar.cli import parse_args
+
+    a = parse_args("serial", MODELS[experiment][:6] + COMMON + ["--batch-size", "8"])
+    model = serial.Task(a).build_model().init(a.seed)
+    opt = serial.make_optimizer(a, model.parameters())
+    times = []
+    for _ in range(repeats + 1):  # the first makes Adam's state
+        t0 = time.perf_counter()
+        model.zero_grad()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]) / sum(p.size for p in model.parameters())
+
+
+def predict_ms(experiment, config, ranks, rate, alpha, beta, update=0.0):
+    """The step time (ms) :func:`mpipar.simulate.predict` gives a configuration on ``ranks``
+    ranks at ``rate`` FLOP/s: ZeRO's stage sets its traffic (ZeRO-3: 3 calls per layer, the
+    others one allreduce's worth), --recompute its backward (full: one more forward; selective:
+    attention's core once more)."""
+    from mpipar import serial
+    from mpipar import simulate as S
+    from mpipar.cli import parse_args
+
+    scheme, flags = next((sc, f) for name, sc, f in CONFIGS[experiment] if name == config)
+    a = parse_args(scheme, MODELS[experiment] + COMMON + flags, ranks)
+    if (experiment, a.d_model) not in VOCAB:  # the data set's vocabulary, read once
+        VOCAB[experiment, a.d_model] = serial.Task(a).data.vocab
+    spec = S.GPTSpec(VOCAB[experiment, a.d_model], a.d_model, a.n_heads, a.n_layers, a.seq_len)
+    dp, pp = (ranks, 1) if scheme == "data_parallel" else (1, ranks)
+    hw = S.this_machine(rate, alpha, beta, update_per_param=update)
+    r = S.predict(spec, hw, dp, 1, pp, a.batch_size,
+                  a.micro_batches, getattr(a, "schedule", "1f1b"), 4, getattr(a, "zero", 0),
+                  a.recompute)
+    return 1e3 * r["step_s"]
+
+
+def add_predictions(rows):
+    """Each row's predicted step time beside the measured: the FLOP rate fitted so that the
+    experiment's base configuration (:data:`BASE`) on as many ranks takes its measured median,
+    alpha and beta the ping-pong's (:func:`mpipar.simulate.measured_machine`). What the model
+    adds to the base is then the prediction under test: ZeRO-3's allgathers and reduce-scatters
+    per layer, recomputation's extra forward. Meant for a core per rank (``oversubscribed``
+    False); where ranks share cores the fitted rate holds their sharing too."""
+    from mpipar.simulate import measured_machine
+
+    ping, updates = measured_machine(), {}
+    for (experiment, ranks), group in _groups(rows).items():
+        if experiment not in updates:
+            updates[experiment] = update_cost(experiment)
+        links = (ping.net_alpha, ping.net_beta, updates[experiment])
+        base = next(r for r in group if r["config"] == BASE[experiment])
+        # the step is C / rate + what does not compute (update, messages): fit C / rate to
+        # what the base's measured time leaves beyond the rest
+        rest = predict_ms(experiment, BASE[experiment], ranks, 1e30, *links)
+        flop_s = (predict_ms(experiment, BASE[experiment], ranks, 1.0, *links) - rest)
+        rate = flop_s / max(base["step_ms"] - rest, 1e-6)
+        for r in group:
+            r["predicted_step_ms"] = round(predict_ms(experiment, r["config"], ranks, rate,
+                                                      *links), 3)
+            r["predicted_over_measured"] = round(r["predicted_step_ms"] / r["step_ms"], 3)
+            r["fitted_gflops"] = round(rate / 1e9, 3)
+            r["update_ns_per_param"] = round(updates[experiment] * 1e9, 3)
+
+
+def _groups(rows):
+    out = {}
+    for r in rows:
+        out.setdefault((r["experiment"], int(r["ranks"])), []).append(r)
+    return out
 
 
 # ----------------------------------------------------------------------------- rows and plot
@@ -163,10 +255,12 @@ def plot(rows, path):
         mid = [float(r["step_ms"]) for r in mine]
         err = [[m - float(r["step_ms_min"]) for m, r in zip(mid, mine)],
                [float(r["step_ms_max"]) - m for m, r in zip(mid, mine)]]
-        ax2.errorbar(p, mid, yerr=err, marker="o", capsize=3, label=config)
+        line = ax2.errorbar(p, mid, yerr=err, marker="o", capsize=3, label=config)
+        ax2.plot(p, [float(r["predicted_step_ms"]) for r in mine], "x", ms=8,
+                 color=line[0].get_color())
     ax2.set_xticks(sorted({int(r["ranks"]) for r in zero}))
     ax2.set_xlabel("ranks (4 on 2 cores: oversubscribed)")
-    ax2.set_ylabel("ms per step (median over rounds, min-max)")
+    ax2.set_ylabel("ms per step (median, min-max; x: cost model)")
     ax2.set_title(f"ZeRO step time\n(load average {float(zero[0]['loadavg_1min']):.1f} at the "
                   "start: a shared machine)", fontsize=10)
     ax2.legend(fontsize=7)
@@ -174,7 +268,8 @@ def plot(rows, path):
     pipe = [r for r in rows if r["experiment"] == "pipeline"]
     _stacked(ax3, [f"P={r['ranks']} stage {r['rank']}, {r['config'].split()[1]} "
                    f"({float(r['step_ms']):.0f} ms)" for r in pipe], pipe)
-    ax3.set_title("Pipeline, 1F1B, 8 micro-batches\nrecompute off/on (step time)", fontsize=10)
+    ax3.set_title("Pipeline, 1F1B, 8 micro-batches\nrecompute off/on/selective (step time)",
+                  fontsize=10)
     fig.suptitle("Bytes each rank holds, counted by the memory ledger (mpipar/memory.py)")
     return save_figure(fig, path)
 
@@ -195,13 +290,15 @@ def main(argv=None):
                     "--worker", "--experiment", experiment, "--rounds", args.rounds,
                     "--steps", args.steps]):
                 rows += rows_of(res, args.rounds, args.steps, load)
+    add_predictions(rows)
     path = write_csv("memory_bench.csv", rows, args.out)
     for r in rows:
-        print(f"{r['experiment']:<8} P={r['ranks']} {r['config']:<13} rank {r['rank']}: "
+        print(f"{r['experiment']:<8} P={r['ranks']} {r['config']:<19} rank {r['rank']}: "
               + ", ".join(f"{k} {r[f'{k}_bytes'] / 2**20:.2f}" for k in KINDS)
               + f" MiB; peak {r['peak_bytes'] / 2**20:.2f} MiB (formula "
               f"{r['formula_bytes'] / 2**20:.2f}); step {r['step_ms']:.1f} ms "
-              f"({r['step_ms_min']:.1f}..{r['step_ms_max']:.1f})")
+              f"({r['step_ms_min']:.1f}..{r['step_ms_max']:.1f}), predicted "
+              f"{r['predicted_step_ms']:.1f} ms")
     wrote(path, plot(rows, args.out / "memory_bench.png"))
 
 

@@ -5,13 +5,16 @@ n parameters, 4 bytes a value, s = ceil(n / P) values per ZeRO shard (P s with t
 
     data parallel   parameters      gradients       Adam (m, v)   buffers kept between steps
     ZeRO-0          4n              4n              8n            4n: Step 1's Bcast buffer
-    ZeRO-1          4n + 4s         4n + 4s         8s            4n + 4Ps: the padded flat
-    ZeRO-2          4Ps + 4s        4s              8s            0
+    ZeRO-1          4Ps             4Ps             8s            0
+    ZeRO-2          4Ps             4s              8s            0
     ZeRO-3          4s (per layer)  4s              8s            0
 
-(the 4s beside 4n: the shard's own copy of its block of parameters and its summed gradient);
-during a ZeRO-2 step the whole padded gradient (4Ps) more, during a ZeRO-3 step one layer's
-full parameters and gradient (the largest layer's, 4 P s_layer each) more. Tensor parallel:
+that is 4 + 4 + 8/P bytes per parameter (ZeRO-1), 4 + (4 + 8)/P (ZeRO-2), (4 + 4 + 8)/P
+(ZeRO-3), plus the padding (Ps - n < P values): a shard's data and ZeRO-1's summed gradient
+are views into the padded whole buffers, not copies; during a ZeRO-2 step the whole padded
+gradient (4Ps) more, during a ZeRO-3 step one layer's full parameters and gradient (the
+largest layer's, 4 P s_layer each) more; with prefetch (--overlap) two adjacent layers'
+parameters (the largest pair's) and still one layer's gradient. Tensor parallel:
 each shard 1/t of its tensor (the vocabulary in near-equal blocks), replicated tensors whole;
 the master of --update master the whole model more. Pipeline: its stage's layers; with
 --recompute its stash is one input per micro-batch in flight (the first stage's inputs are
@@ -66,7 +69,7 @@ def states(params, grads, optimizer, buffers):
 
 
 def check_data_parallel():
-    grid, stash = Grid(dp=P), []
+    grid, stash, peaks = Grid(dp=P), [], []
     for zero in (0, 1, 2, 3):
         task, dp, got = ledger("data_parallel", MLP + ["--sync", "allreduce", "--zero", str(zero)],
                                grid)
@@ -74,19 +77,34 @@ def check_data_parallel():
         n, s = sum(sizes), ceil_div(sum(sizes), P)
         s3 = [ceil_div(k, P) for k in sizes]  # ZeRO-3: one shard per layer
         want = {0: states(F * n, F * n, 2 * F * n, F * n),
-                1: states(F * (n + s), F * (n + s), 2 * F * s, F * (n + P * s)),
-                2: states(F * (P * s + s), F * s, 2 * F * s, 0),
+                1: states(F * P * s, F * P * s, 2 * F * s, 0),
+                2: states(F * P * s, F * s, 2 * F * s, 0),
                 3: states(F * sum(s3), F * sum(s3), 2 * F * sum(s3), 0)}[zero]
         assert {k: got[k] for k in want} == want, (zero, got, want)
-        in_step = {0: (F * n, F * n), 1: (F * (n + s), F * (n + s)),
-                   2: (F * (P * s + s), F * (s + P * s)),  # the whole padded gradient
+        in_step = {0: (F * n, F * n), 1: (F * P * s, F * P * s),
+                   2: (F * P * s, F * (s + P * s)),  # the whole padded gradient
                    3: (F * (sum(s3) + P * max(s3)),) * 2}[zero]  # one layer's, the largest
         assert (got["step_params"], got["step_grads"]) == in_step, (zero, got, in_step)
         assert got["peak"] >= sum(got[k] for k in ("params", "grads", "optimizer")), got
         stash.append(got["activations"])
+        peaks.append((got["peak"], s))
     # ZeRO-0 to -2 run the replica's forward and backward; ZeRO-3 the same layers one by one,
     # each backward whole, so it stashes no more
     assert stash[0] == stash[1] == stash[2] >= stash[3] > 0, stash
+    # the step peaks: ZeRO-1 below ZeRO-0 (no Bcast buffer, 8n - 8s less Adam state, at most
+    # P - 1 padding values more); ZeRO-2 that plus its summed gradient shard (the full padded
+    # gradient lives through the backward, as ZeRO-1's does)
+    (p0, _), (p1, s), (p2, _) = peaks[:3]
+    assert p0 - p1 == F * n + 2 * F * (n - s) - 2 * F * (P * s - n), peaks
+    assert p2 - p1 == F * s, peaks
+    # ZeRO-3 with prefetch (--overlap): a layer's parameters arrive while its neighbour runs,
+    # so two adjacent layers' full parameters are held at once, not one; the rest unchanged
+    _, _, pre = ledger("data_parallel", MLP + ["--sync", "allreduce", "--zero", "3",
+                                               "--overlap"], grid)
+    pairs = max(a + b for a, b in zip(s3, s3[1:]))
+    assert pre["step_params"] == F * (sum(s3) + P * pairs), (pre, s3)
+    assert pre["step_grads"] == got["step_grads"] and pre["peak"] >= got["peak"], (pre, got)
+    assert {k: pre[k] for k in KEYS} == {k: got[k] for k in KEYS}, (pre, got)
     task, dp, got = ledger("data_parallel", MLP + ["--sync", "master"], grid)
     n = sum(layer_sizes(task))
     want = states(F * n, F * n, 2 * F * n, 2 * F * n) if r == 0 else states(F * n, F * n, 0, F * n)
@@ -141,7 +159,8 @@ def check_pipeline():
 
 
 def check_hybrid():
-    """dp 2 x pp 2: the gradients are views into the dp buckets, counted once, as gradients."""
+    """dp 2 x pp 2: the gradients are views into the dp buckets, counted once, as gradients;
+    with --zero 1 the optimizer state is halved."""
     grid = Grid(dp=2, pp=2)
     task, hy, got = ledger("hybrid", GPT + ["--n-layers", "2", "--batch-size", "8",
                                             "--dp", "2", "--pp", "2"], grid)
@@ -150,6 +169,13 @@ def check_hybrid():
     assert all(np.shares_memory(p.grad, hy.update.sync.buckets[0].flat) or len(
         hy.update.sync.buckets) > 1 for p in hy.stage.parameters())
     assert {k: got[k] for k in KEYS} == states(share, share, 2 * share, 0), got
+    # --zero 1: the stage's parameters and gradients as views into padded flat buffers of 2 s
+    # values, 1/2 of Adam's state: 4 + 4 + 8/2 bytes per parameter, plus the padding
+    _, hy, got = ledger("hybrid", GPT + ["--n-layers", "2", "--batch-size", "8", "--dp", "2",
+                                         "--pp", "2", "--zero", "1"], grid)
+    s = hy.update.zero.shard_size
+    assert 0 <= 2 * s * F - share < 2 * F, (s, share)
+    assert {k: got[k] for k in KEYS} == states(2 * F * s, 2 * F * s, 2 * F * s, 0), got
 
 
 KEYS = ("params", "grads", "optimizer", "buffers")

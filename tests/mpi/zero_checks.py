@@ -2,14 +2,15 @@
 
 For the MLP and a tiny GPT, each with a global batch that 3 and 4 do not divide, with SGD
 momentum and Adam, ZeRO-2 with and without buckets and overlap, ZeRO-3 with and without
-micro-batches: the first Bcast overwrites workers built from another seed; after step 1 each
-rank's gradient shard equals its slice of the serial gradient (and the same slice shifted by one
-element does not: a one-element mistake fails here); each step makes exactly the calls and
-moves exactly the bytes of the formula, layer by layer (bucket by bucket); the replicas' full
-parameters are bitwise identical after every step; after 3 steps the losses and every
-parameter equal the serial trainer's (relative error <= 1e-10); each rank's optimizer state is
-1/P of the serial one plus its padding (< P values per flat buffer); between ZeRO-3 steps a
-rank holds no full parameter or gradient, only 1/P of them, and during a step one layer's at most.
+micro-batches, and with prefetch (--overlap): the first Bcast overwrites workers built from
+another seed; after step 1 each rank's gradient shard equals its slice of the serial gradient
+(and the same slice shifted by one element does not: a one-element mistake fails here); each
+step makes exactly the calls and moves exactly the bytes of the formula, layer by layer (bucket
+by bucket); the replicas' full parameters are bitwise identical after every step; after 3 steps
+the losses and every parameter equal the serial trainer's (relative error <= 1e-10); each rank's
+optimizer state is 1/P of the serial one plus its padding (< P values per flat buffer); between
+ZeRO-3 steps a rank holds no full parameter or gradient, only 1/P of them, and during a step
+one layer's at most (two layers' parameters with prefetch, at some point).
 """
 
 import hashlib
@@ -40,6 +41,9 @@ MODES = {
     "zero 3, sgd": ["--zero", "3", "--optim", "sgd"],
     "zero 3, adam": ["--zero", "3", "--optim", "adam"],
     "zero 3, sgd, 2 micro-batches": ["--zero", "3", "--optim", "sgd", "--micro-batches", "2"],
+    "zero 3, adam, prefetch": ["--zero", "3", "--optim", "adam", "--overlap"],
+    "zero 3, sgd, prefetch, 2 micro-batches": ["--zero", "3", "--optim", "sgd", "--overlap",
+                                               "--micro-batches", "2"],
 }
 
 
@@ -60,22 +64,27 @@ def logged(op, padded):
 logged("Allgather", lambda send, recv: recv)
 logged("Reduce_scatter", lambda send, recv: send)
 CURRENT = None  # the trainer under test
+HELD = []  # how many other layers held full parameters at each gather, new gradient
 
 
 def one_layer_at_a_time(method):
     """Wrap a FlatShard method: in ZeRO-3, when a layer gathers its parameters or makes its full
-    gradient, no other layer holds either (the peak is one layer's, not the model's)."""
+    gradient, no other layer holds a full gradient, and no other layer's full parameters are
+    held (the peak is one layer's, not the model's); with prefetch (--overlap) one other's are:
+    the layer that computes while this one's arrive, or the one that arrived for it."""
     def call(self, *args):
         if isinstance(CURRENT, Z.Zero3Scheme):
             others = [g for g in CURRENT.groups if g is not self]
-            assert all(p.data is None for g in others for p in g.params), method.__name__
+            held = sum(any(p.data is not None for p in g.params) for g in others)
+            assert held <= CURRENT.args.overlap, (method.__name__, held)
+            HELD.append(held)
             assert all(g.flat_grad is None for g in others), method.__name__
         return method(self, *args)
     return call
 
 
-Z.FlatShard.gather_params = one_layer_at_a_time(Z.FlatShard.gather_params)
-Z.FlatShard.new_grads = one_layer_at_a_time(Z.FlatShard.new_grads)
+for _name in ("gather_params", "post_gather", "new_grads"):
+    setattr(Z.FlatShard, _name, one_layer_at_a_time(getattr(Z.FlatShard, _name)))
 
 
 def digest(arrays):
@@ -100,11 +109,19 @@ def full(dp):
 def check_traffic(name, args, dp):
     """The counted calls and bytes of one step against the formula (stats reset before it)."""
     s, m = dp_comm.stats, args.micro_batches
+    ops = set(s)  # (before a look-up adds an empty entry)
     sizes = [P * g.shard_size * W for g in dp.groups]  # each flat buffer, padded, in bytes
     psi = sum(sizes)  # Psi
     assert all(0 <= size - g.n * W < P * W for size, g in zip(sizes, dp.groups)), name
-    assert s["Allgather"]["sent"] + s["Allgather"]["recv"] == (2 * m if args.zero == 3 else 1) * psi
-    if args.zero == 3:  # per layer: Allgather forward, Allgather backward, Reduce_scatter
+    gathers = 0 if args.zero == 3 and args.overlap else 2 * m if args.zero == 3 else 1
+    assert s["Allgather"]["sent"] + s["Allgather"]["recv"] == gathers * psi
+    if args.zero == 3 and args.overlap:  # each Allgather as P-1 Isend and Irecv of one block
+        assert ops == ({"Send", "Recv"} if P > 1 else set()) | {"Reduce_scatter"}, (name, ops)
+        assert s["Send"]["messages"] == 2 * m * (P - 1) * len(sizes), name
+        assert s["Send"]["sent"] == s["Recv"]["recv"] == 2 * m * (P - 1) * psi // P, name
+        assert s["Reduce_scatter"]["sent"] == m * psi, name
+        assert CALLS == m * [("Reduce_scatter", n) for n in reversed(sizes)], (name, CALLS)
+    elif args.zero == 3:  # per layer: Allgather forward, Allgather backward, Reduce_scatter
         assert set(s) == {"Allgather", "Reduce_scatter"}, (name, set(s))
         assert s["Reduce_scatter"]["sent"] == m * psi, name  # 3 Psi in all per micro-batch
         assert CALLS == m * ([("Allgather", n) for n in sizes]
@@ -170,7 +187,7 @@ for model_name, model_args in MODELS.items():
         assert type(dp).__name__ == f"Zero{args.zero}Scheme", name
         assert replicas_equal(full(dp)), f"{name}: replicas differ after the first Bcast"
 
-        losses = []
+        losses, HELD[:] = [], []
         for step in range(STEPS):
             dp_comm.reset_stats()
             CALLS.clear()
@@ -187,6 +204,8 @@ for model_name, model_args in MODELS.items():
                 assert memory["param_bytes"] == kept, (name, memory)
             assert replicas_equal(full(dp)), f"{name}: replicas differ after step {step}"
 
+        if args.zero == 3:  # prefetch holds two layers at once, at some point; else never
+            assert max(HELD) == args.overlap, (name, max(HELD))
         key, got = (model_name, args.optim), full(dp)  # (every rank takes part in ZeRO-3's)
         if r == 0 and key not in references:
             references[key] = serial_run(task, STEPS)
