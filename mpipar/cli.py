@@ -45,9 +45,9 @@ def common_flags(ap, scheme):
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.add_argument("--clip-grad", type=float, metavar="X",
                    help="scale the gradients to a global norm of at most X before each update")
-    g.add_argument("--recompute", action="store_true",
-                   help="keep only each layer's (each stage's) input and run its forward again "
-                        "in the backward: less memory, one more forward")
+    g.add_argument("--recompute", nargs="?", const="full", choices=["full", "selective"],
+                   help="full: keep only each layer's (stage's) input, run its forward again in "
+                        "the backward; selective: only attention's softmax part (GPT)")
     g.add_argument("--memory", action="store_true",
                    help="after training, print every rank's bytes by kind, counted from its arrays")
     c = ap.add_argument_group("checkpoints and failures")
@@ -89,6 +89,12 @@ def bucket_flags(g):
                    help="start each bucket's Iallreduce during the last backward")
 
 
+def sequence_flag(g):
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="GPT: also split the LayerNorm regions along the sequence over the tp "
+                        "ranks (reduce-scatter + allgather in place of each Allreduce)")
+
+
 def pipeline_flags(g, schedules, micro_help):
     g.add_argument("--schedule", default="1f1b", metavar="{" + ",".join(schedules) + "}",
                    help=f"{', '.join(schedules)} (default 1f1b)")
@@ -106,13 +112,14 @@ def scheme_flags(ap, scheme):
         bucket_flags(g)
         g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
                        help="shard over the ranks (ZeRO): 1 the optimizer state, 2 also the "
-                            "gradients (in --bucket-mb buckets, --overlap allowed), 3 also the "
-                            "parameters, gathered layer by layer (fully sharded, as FSDP)")
+                            "gradients (in --bucket-mb buckets, --overlap), 3 also the "
+                            "parameters, layer by layer (as FSDP; --overlap prefetches)")
         g.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps")
     elif scheme == "tensor_parallel":
         ap.add_argument("--update", choices=["local", "master"], default="local",
                         help="local: each rank updates its shards (Megatron); master: rank 0 "
                              "gathers the gradients, updates, scatters the shards (the seed)")
+        sequence_flag(ap)
     elif scheme == "pipeline":
         g = ap.add_argument_group("pipeline")
         pipeline_flags(g, CHOICES, "micro-batches per step (default 4)")
@@ -133,10 +140,12 @@ def scheme_flags(ap, scheme):
         g.add_argument("--pp", type=int, default=1, help="pipeline stages (1)")
         g.add_argument("--print-grid", action="store_true",
                        help="print every rank's (dp, tp, pp) coordinate and groups, then exit")
+        sequence_flag(g)
         pipeline_flags(ap.add_argument_group("pipeline"), list(SCHEDULES),
                        "micro-batches per replica and step (default: 4, or fewer if a replica "
                        "has fewer rows)")
-        bucket_flags(ap.add_argument_group("gradient sum over the data-parallel group"))
+        bucket_flags(g := ap.add_argument_group("gradient sum over the data-parallel group"))
+        g.add_argument("--zero", type=int, default=0, choices=range(4), help="1: ZeRO-1 over dp")
 
 
 PROGS = {"serial": ("python -m mpipar.serial", "Train the reference model on one process."),
@@ -213,22 +222,28 @@ FLAG_RULES = [
     (HY, lambda a: a.dp is not None and a.dp < 1, "--dp must be at least 1, got {a.dp}"),
     (HY, lambda a: a.tp < 1, "--tp must be at least 1, got {a.tp}"),
     (HY, lambda a: a.pp < 1, "--pp must be at least 1, got {a.pp}"),
+    (TP + HY, lambda a: a.sequence_parallel and a.model != "gpt",
+     "--sequence-parallel splits the GPT's sequence, and the MLP has none: use --model gpt"),
+    (TP + HY, lambda a: a.sequence_parallel and a.model == "gpt" and a.seq_len % a.tp,
+     "--sequence-parallel splits each sequence over the {a.tp} tensor-parallel ranks, but "
+     "--seq-len {a.seq_len} is not divisible by {a.tp}: use a multiple of {a.tp}"),
     (DP + PP + HY, lambda a: a.micro_batches < 1,
      "--micro-batches must be positive, got {a.micro_batches}"),
     (DP + HY, lambda a: a.batch_size < a.replicas * a.micro_batches,
      "the global batch of {a.batch_size} rows cannot be split over {a.replicas} {a.replica} x "
      "{a.micro_batches} micro-batch(es): every {a.one_replica} needs at least one row per "
      "micro-batch (use --batch-size >= {a.rows_needed}, or fewer {a.replica} or micro-batches)"),
-    (DP, lambda a: a.zero and a.sync == "master",
-     "--zero {a.zero} shards the optimizer over every rank, but with --sync master only rank 0 "
-     "updates: use --sync allreduce --zero {a.zero}"),
-    (DP, lambda a: a.zero and a.sync == "ring",
-     "--zero {a.zero} reduce-scatters and allgathers with MPI's collectives, not the "
-     "hand-written ring: use --sync allreduce --zero {a.zero}"),
-    (DP, lambda a: a.zero in (1, 3) and (a.bucket_mb is not None or a.overlap),
-     "--zero {a.zero} takes no --bucket-mb/--overlap: ZeRO-1 moves the whole flat buffer in one "
-     "Reduce_scatter and one Allgather, ZeRO-3 each layer's as forward and backward reach it; "
-     "buckets, overlapped or not, are ZeRO-2's: use --zero 2"),
+    (DP, lambda a: a.zero and a.sync != "allreduce",
+     "--zero {a.zero} shards the update over every rank with MPI's Reduce_scatter and "
+     "Allgather, which --sync {a.sync} does not use: use --sync allreduce --zero {a.zero}"),
+    (DP + HY, lambda a: a.bucket_mb is not None and a.zero in (1, 3) or a.overlap and a.zero == 1,
+     "--zero {a.zero} takes no --bucket-mb, and --zero 1 no --overlap: ZeRO-1 moves one flat "
+     "buffer, ZeRO-3 one per layer (--overlap prefetches); buckets are ZeRO-2's: use --zero 2"),
+    (HY, lambda a: a.zero > 1, "--zero {a.zero} is not in the hybrid, whose dp groups shard the "
+     "optimizer state only (--zero 1); ZeRO-2 and -3 are data_parallel's"),
+    (HY, lambda a: a.zero and (a.clip_grad is not None or a.checkpoint or a.resume),
+     "--zero 1 in the hybrid takes no --clip-grad, --checkpoint or --resume: they read each "
+     "rank's whole optimizer, and ZeRO-1 keeps 1/D of it"),
     (DP, lambda a: a.overlap and a.sync != "allreduce",
      "--overlap needs the non-blocking Iallreduce of --sync allreduce (got --sync {a.sync})"),
     (DP, lambda a: a.bucket_mb is not None and (not 0 < a.bucket_mb < math.inf
@@ -245,7 +260,7 @@ FLAG_RULES = [
      "--chunks {a.chunks} needs --schedule interleaved ({a.schedule} runs one model chunk "
      "per rank)"),
     (PP, lambda a: a.chunks <= 0, "--chunks must be positive, got {a.chunks}"),
-    (PP, lambda a: a.schedule in SPLIT and a.recompute,
+    (PP, lambda a: a.schedule in SPLIT and a.recompute == "full",
      "--schedule {a.schedule} runs each backward as B and W apart, but --recompute runs a "
      "stage's backward whole (recompute.Recomputed does not split it): every W would be "
      "empty and fill no bubble; drop one of the two"),
@@ -304,7 +319,7 @@ def complete(a, scheme, n):
         if getattr(a, key) is None:
             setattr(a, key, value)
     absent = dict(explain=False, micro_batches=1, chunks=1, partition=None, bucket_mb=None,
-                  overlap=False, dp=1, tp=1, pp=1)
+                  overlap=False, dp=1, tp=1, pp=1, sequence_parallel=False)
     for key, value in absent.items():
         if not hasattr(a, key):
             setattr(a, key, value)

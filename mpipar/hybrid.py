@@ -4,6 +4,7 @@
     mpirun -n 8 python -m mpipar.hybrid --dp 2 --tp 2 --pp 2
     mpirun -n 4 python -m mpipar.hybrid --dp 2 --pp 2 --schedule gpipe --micro-batches 4
     mpirun -n 8 python -m mpipar.hybrid --dp 2 --tp 2 --pp 2 --print-grid
+    mpirun -n 8 python -m mpipar.hybrid --dp 2 --tp 2 --pp 2 --zero 1 --optim adam
 
 N = D * T * P ranks form a grid (:class:`mpipar.grid.Grid`): the T ranks of a tensor-parallel
 group hold slices of the same layers, the P stages of a pipeline hold consecutive layers, and
@@ -30,10 +31,13 @@ each takes its communicator from the grid. The steps, each under an ``HY Step N`
    every layer is tensor parallel, with its Allreduces over ``tp_comm``.
 5. At the pipeline's optimizer step, after its last backward, the gradients are summed over
    ``dp_comm``, once per step (:class:`mpipar.data_parallel.GradSync`: one Allreduce of a flat
-   buffer, or buckets; with ``--overlap`` the buckets start during the last backward).
+   buffer, or buckets; with ``--overlap`` the buckets start during the last backward). With
+   ``--zero 1`` (:class:`ZeroUpdate`, ZeRO stage 1 over each dp group) a Reduce_scatter instead:
+   each replica keeps 1/D of the sum.
 6. Each rank updates its own shards and replicated parameters
    (:class:`mpipar.tensor_parallel.LocalUpdate`): the replicas make the same update, nothing
-   is sent.
+   is sent. With ``--zero 1`` each rank updates its 1/D block (with 1/D of the optimizer
+   state) and the blocks are allgathered over dp_comm.
 7. To evaluate or save, the model is gathered to world rank 0 under the serial names: the
    shards inside each stage of replica 0, then the stages along its pipeline.
 
@@ -46,22 +50,32 @@ rank's parameters, about |theta| w / (T P)):
   output layer and the cross-entropy on the last stage. Ring cost 2(T-1)/T of each.
 - pp (P > 1), per micro-batch and stage boundary: one activation forward and one gradient
   back, r*s*h*w each, plus an 80-byte header (every tp rank sends its own copy).
-- dp (D > 1): one Allreduce of n_own bytes (k with k buckets): 2(D-1)/D * n_own with a ring.
+- dp (D > 1): one Allreduce of n_own bytes (k with k buckets): 2(D-1)/D * n_own with a ring;
+  with --zero 1 one Reduce_scatter and one Allgather of n_own (padded to a multiple of D): the
+  same 2(D-1)/D * n_own on the wire.
+- ``--sequence-parallel`` (:mod:`mpipar.sequence_parallel`): each tp Allreduce of r*s*h*w
+  becomes a reduce-scatter and an allgather of it (the same volume), plus one Allreduce per
+  step of the stage's LayerNorm (and position) gradients over tp_comm, after Step 5's sum; a
+  stage boundary then carries each tp rank's own rows, r*(s/T)*h*w, not a copy of all of them.
 
 Why that nesting (Narayanan et al. 2021, arXiv:2104.04473, Sec. 3): tensor parallelism talks
 several times per layer and micro-batch, so its groups are neighbouring ranks (one node, fast
 links); the pipeline talks once per micro-batch and stage boundary, point to point; data
 parallelism talks once per step and can hide behind the backward, so it is outermost.
 
-Left out: the scatter/gather optimisation between stages (Megatron sends 1/T of an activation
-and allgathers it on arrival; here every tp rank sends all of it), interleaved stages, ZeRO
-over the data-parallel group, sequence parallelism, and a hand-written ring for the dp sum.
+Left out: the scatter/gather optimisation between stages without sequence parallelism
+(Megatron sends 1/T of an activation and allgathers it on arrival; here every tp rank sends all
+of it), interleaved stages, ZeRO stages 2 and 3 over the data-parallel group (ZeRO-2's full
+gradients accumulate over every micro-batch, so they could be freed between steps only;
+ZeRO-3 would gather a stage's parameters for each micro-batch's forward and backward, or hold
+them through the schedule), and a hand-written ring for the dp sum.
 """
 
 from mpipar import backend as B
 from mpipar import comm, nn, plan, serial, tp_models
 from mpipar import data_parallel as DP
 from mpipar import pipeline as PP
+from mpipar import sequence_parallel as SP
 from mpipar import tensor_parallel as TP
 from mpipar.grid import Grid
 from mpipar.schedules import SCHEDULES, Backward
@@ -127,9 +141,10 @@ class Hybrid:
         self.rows = comm.split_rows(args.batch_size, grid.dp_size)  # rows per replica
         self.lo = sum(self.rows[:grid.dp_rank])
         self.micro_rows = comm.split_rows(self.rows[grid.dp_rank], m)
-        self.update = SyncedUpdate(stage, self.dp_comm,
-                                   lambda params: serial.make_optimizer(args, params),
-                                   args.bucket_mb, args.overlap)
+        make_opt = lambda params: serial.make_optimizer(args, params)  # noqa: E731
+        self.update = ZeroUpdate(stage, self.dp_comm, make_opt, self.tp_comm) if args.zero \
+            else SyncedUpdate(stage, self.dp_comm, make_opt, args.bucket_mb, args.overlap,
+                              tp_comm=self.tp_comm)
         self.module = stage
         if args.overlap and self.update.sync is not None:
             last = [ins.micro for ins in self.instructions if isinstance(ins, Backward)][-1]
@@ -177,7 +192,7 @@ class Hybrid:
         params = self.stage.parameters()
         return {"param_bytes": sum(p.data.nbytes for p in params),
                 "grad_bytes": sum(p.grad.nbytes for p in params),
-                "optimizer_bytes": self.update.local.opt.state_bytes(),
+                "optimizer_bytes": self.update.opt.state_bytes(),
                 "activation_bytes": self.peak_stash_bytes}
 
     def full_params(self):
@@ -190,10 +205,10 @@ class SyncedUpdate:
     backward: Step 5 sums the gradients over ``dp_comm``, Step 6 steps each rank's optimizer
     on its own shards and replicated parameters. With one replica there is nothing to sum."""
 
-    def __init__(self, stage, dp_comm, make_opt, bucket_mb=None, overlap=False):
-        self.dp_comm = dp_comm
+    def __init__(self, stage, dp_comm, make_opt, bucket_mb=None, overlap=False, tp_comm=None):
+        self.dp_comm, self.tp_comm, self.params = dp_comm, tp_comm, stage.parameters()
         self.local = TP.LocalUpdate(stage, make_opt)
-        self.sync = None
+        self.opt, self.sync, self.zero = self.local.opt, None, None
         if dp_comm.size > 1:
             self.sync = DP.GradSync(dp_comm, stage.parameters(), "allreduce", bucket_mb, overlap)
 
@@ -206,11 +221,44 @@ class SyncedUpdate:
                          "bucket(s): the sum is the serial gradient (global normaliser)")
             with TRACE.span("sync", "HY Step 5"):
                 self.sync.finish()
+        if self.tp_comm is not None:  # --sequence-parallel: after the dp sum (it may overlap)
+            SP.allreduce_sequence_grads(self.params, self.tp_comm)
 
         # -- HY Step 6: each rank updates its own shards and replicated parameters --
         comm.narrate("HY Step 6: every rank updates its own shards and replicated parameters; "
                      "the replicas make the same update, so nothing is sent")
         self.local.update()
+
+
+class ZeroUpdate:
+    """``--zero 1``: :class:`SyncedUpdate` with ZeRO stage 1 over ``dp_comm``
+    (:class:`mpipar.data_parallel.ZeroOptimizer`): Step 5 reduce-scatters this rank's flat
+    gradients over its D replicas (replica d keeps block d of their sum), Step 6 updates that
+    block with 1/D of the optimizer state and allgathers the updated blocks. Each tp shard of
+    each stage is sharded over its own dp group, so a rank keeps 1/D of its piece's state."""
+
+    def __init__(self, stage, dp_comm, make_opt, tp_comm=None):
+        self.dp_comm, self.tp_comm, self.params = dp_comm, tp_comm, stage.parameters()
+        self.zero, self.sync = DP.ZeroOptimizer(dp_comm, self.params, make_opt), None
+        self.opt = self.zero.opt
+
+    def step(self):
+        if self.tp_comm is not None:  # --sequence-parallel: while the gradients are whole
+            SP.allreduce_sequence_grads(self.params, self.tp_comm)
+
+        # HY Step 5, ZeRO-1: after the last backward, reduce-scatter the gradients over dp_comm
+        comm.narrate(f"HY Step 5: Reduce_scatter(SUM) of this rank's {self.zero.flat.nbytes:,} "
+                     f"gradient bytes (padded) over its {self.dp_comm.size} replicas: each keeps "
+                     f"{self.zero.shard_size:,} values of the serial gradient")
+        with TRACE.span("sync", "HY Step 5"):
+            self.zero.reduce_scatter_grads()
+
+        # HY Step 6, ZeRO-1: each rank updates its block; the updated blocks are allgathered
+        comm.narrate("HY Step 6: every rank updates its block of its shards and replicated "
+                     "parameters, then Allgather of the updated blocks over the dp group")
+        self.zero.update()
+        with TRACE.span("sync", "HY Step 6"):
+            self.zero.allgather_params()
 
 
 # -- HY Step 7: gather the whole model to world rank 0: shards per stage, then the stages --

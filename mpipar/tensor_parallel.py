@@ -13,6 +13,11 @@ the partial results together. The seed's steps:
    (identity forward, Allreduce backward) before a column-parallel layer, ``g`` (Allreduce
    forward, identity backward) after a row-parallel one, and the vocabulary-parallel
    embedding and cross-entropy, which Allreduce partial lookups and softmax statistics.
+   With ``--sequence-parallel`` (GPT) the activations between those layers are also sharded
+   along the sequence (:mod:`mpipar.sequence_parallel`): ``g'`` reduce-scatters the partial
+   outputs by rows of the sequence, ``f'`` allgathers the rows before a column-parallel layer,
+   so the LayerNorms and residual adds work on (B, T/t, C), and one Allreduce per step sums
+   the LayerNorm and position gradients each rank took from its own rows.
 4. The gradients are aggregated and the parameters updated: ``--update local`` (Megatron):
    each rank's shard gradient is already complete (the Allreduces of step 3 summed what it
    needs), so each rank updates its own shard and its replicated parameters, which stay equal
@@ -47,6 +52,11 @@ Communication per rank per step (w bytes per element; each Allreduce of n bytes 
 - GPT backward: 2 per block of b*s*h (input gradients of qkv and of the MLP's first Linear)
   + 1 of b*s*h (input gradient of the output layer).
 - In all: (4L + 2) Allreduces of b*s*h*w bytes + 3 of b*s*w bytes.
+- GPT with ``--sequence-parallel``: each of those (4L + 2) Allreduces becomes one
+  reduce-scatter and one allgather of b*s*h*w bytes ((t-1)/t of it per rank each with a ring,
+  so the same 2(t-1)/t in all), in the order embedding g', per block f' g' f' g', head f'
+  forward and the mirror image backward; the cross-entropy's 3 are unchanged; plus 1
+  Allreduce of (2L + 1) * 2h + s*h numbers (the LayerNorm and position gradients).
 - MLP: per column/row pair, 1 Allreduce forward of b*width_out(row) and 1 backward of
   b*width_in(column), except that fc0 is fed by data and has no input gradient.
 - ``--update master`` adds one Gatherv of every shard to rank 0, one Scatterv back (rank 0
@@ -55,15 +65,17 @@ Communication per rank per step (w bytes per element; each Allreduce of n bytes 
 
 References: Shoeybi et al. 2019, "Megatron-LM" (arXiv:1909.08053), section 3 (f and g,
 Figures 3-4); Narayanan et al. 2021 (arXiv:2104.04473), section 2.3; vocabulary-parallel
-embedding and cross-entropy as in Megatron-LM's ``tensor_parallel`` package.
+embedding and cross-entropy as in Megatron-LM's ``tensor_parallel`` package; sequence
+parallelism: Korthikanti et al. 2022 (arXiv:2205.05198), section 4.2.2.
 
 Run::
 
     mpirun -n 2 python -m mpipar.tensor_parallel --model gpt
     mpirun -n 4 python -m mpipar.tensor_parallel --model mlp --update master --explain --steps 3
+    mpirun -n 2 python -m mpipar.tensor_parallel --model gpt --sequence-parallel --explain --steps 1
 
-Left out: sequence parallelism (Korthikanti et al. 2022), dropout, overlapping the
-Allreduces with computation, uneven splits of heads and widths.
+Left out: dropout, overlapping the Allreduces with computation, uneven splits of heads and
+widths.
 """
 
 import numpy as np
@@ -72,14 +84,11 @@ from mpi4py import MPI
 from mpipar import backend as B
 from mpipar import comm as C
 from mpipar import nn, serial
+from mpipar import sequence_parallel as SP
+from mpipar.sequence_parallel import layer_name
 
 
 # ----------------------------------------------------------------------------- index helpers
-def _name(layer):
-    """A layer's canonical name (its weight's, less ".W"), to say which layer a call serves."""
-    return (layer.W.name or "a layer").rsplit(".", 1)[0]
-
-
 def _width(ranges):
     return sum(b - a for a, b in ranges)
 
@@ -278,7 +287,7 @@ class CopyToTP:
         return x
 
     def backward(self, dx):
-        return allreduce(self.tp_comm, dx, what=f"f: input gradient of {_name(self.layer)}")
+        return allreduce(self.tp_comm, dx, what=f"f: input gradient of {layer_name(self.layer)}")
 
 
 class ReduceFromTP:
@@ -291,7 +300,7 @@ class ReduceFromTP:
         self.tp_comm, self.layer = tp_comm, layer
 
     def forward(self, y):
-        return allreduce(self.tp_comm, y, what=f"g: partial outputs of {_name(self.layer)}")
+        return allreduce(self.tp_comm, y, what=f"g: partial outputs of {layer_name(self.layer)}")
 
     def backward(self, dy):
         return dy
@@ -393,16 +402,18 @@ class TensorParallel:
         self.updater.zero_grad()
 
         # Steps 2 and 3, forward: each rank computes with its shards (the layers under Step 2
-        # above); g Allreduces their partial sums (under Step 3)
+        # above); g Allreduces their partial sums, or g' reduce-scatters them (under Step 3)
         C.narrate("TP Step 2: forward: each rank computes with its own shards (columns, rows, "
-                  "heads, vocabulary block); g Allreduces the partial sums (Step 3)")
+                  "heads, vocabulary block); g (or g') sums the partial results (Step 3)")
         logits = self.model.forward(x)  # (B, T, V/t) or (B, 10)
         loss = self.loss_fn.forward(logits, y, normalizer=y.size)
 
-        # Step 3, backward: f Allreduces the input gradients of the column-parallel layers
-        C.narrate("TP Step 3, backward: f Allreduces the input gradients of the column-parallel "
+        # Step 3, backward: f Allreduces the input gradients of the column-parallel layers (f'
+        # reduce-scatters them); with --sequence-parallel the LayerNorm gradients are then summed
+        C.narrate("TP Step 3, backward: f (or f') sums the input gradients of the column-parallel "
                   "layers; each shard's gradient is then complete")
         self.model.backward(self.loss_fn.backward())
+        SP.allreduce_sequence_grads(self.model.parameters(), self.comm)  # --sequence-parallel
 
         # -- TP Step 4: aggregate the gradients and update the parameters --
         self.updater.update()

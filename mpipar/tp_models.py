@@ -4,11 +4,14 @@ cut them into stages, and each shard starts at its slice of the serial initial w
 
 How the models are split is in the docstring of :mod:`mpipar.tensor_parallel` (Step 1);
 :func:`tp_size_problem` says why a model cannot be split over t ranks (the runner refuses it).
+With ``--sequence-parallel`` the GPT's blocks, embedding and head swap ``f`` and ``g`` for the
+sequence-splitting ``f'`` and ``g'`` of :mod:`mpipar.sequence_parallel` (its docstring says how).
 """
 
 import numpy as np
 
 from mpipar import nn
+from mpipar.sequence_parallel import GatherFromSequence, ScatterToSequence, mark, sequence_rows
 from mpipar.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -26,7 +29,8 @@ def build_tp_model(task, tp_comm):
     a = task.args
     if task.kind == "mlp":
         return parallel_mlp(a.sizes, tp_comm)
-    return parallel_gpt(task.data.vocab, a.d_model, a.n_heads, a.n_layers, a.seq_len, tp_comm)
+    return parallel_gpt(task.data.vocab, a.d_model, a.n_heads, a.n_layers, a.seq_len, tp_comm,
+                        getattr(a, "sequence_parallel", False))
 
 
 def tp_loss(task, tp_comm):
@@ -96,11 +100,62 @@ class ParallelGPTHead(nn.GPTHead):
         self.out = ColumnParallelLinear(d_model, vocab, tp_comm, std=0.02)
 
 
-def parallel_gpt(vocab, d_model, n_heads, n_layers, seq_len, tp_comm):
-    """nn.GPT split over tp_comm: embed, blocks.0 .. blocks.{L-1}, head."""
-    layers = [("embed", ParallelGPTEmbedding(vocab, d_model, seq_len, tp_comm))]
-    layers += [(f"blocks.{i}", ParallelBlock(d_model, n_heads, tp_comm)) for i in range(n_layers)]
-    layers.append(("head", ParallelGPTHead(d_model, vocab, tp_comm)))
+class SequenceParallelBlock(ParallelBlock):
+    """The block with its LayerNorm regions split along the sequence (Korthikanti et al. 2022,
+    Sec. 4.2.2): f' (Allgather) in place of f before qkv and the MLP's first Linear, g'
+    (Reduce-scatter) in place of g after both projections, so the residual stream and the
+    LayerNorms hold (B, T/t, C). The LayerNorms see this rank's rows only: their gradients are
+    summed over the group once per step. 4 calls forward and 4 backward, of (B, T, C)."""
+
+    def __init__(self, d_model, n_heads, tp_comm):
+        super().__init__(d_model, n_heads, tp_comm)
+        for column, row in ((self.attn.qkv, self.attn.proj), (self.mlp.fc, self.mlp.proj)):
+            column.f = GatherFromSequence(tp_comm, column)
+            row.g = ScatterToSequence(tp_comm, row)
+        mark(self.ln1, self.ln2)
+
+
+class SequenceParallelGPTEmbedding(ParallelGPTEmbedding):
+    """The partial lookups reduce-scattered along the sequence (g'), and the position table's
+    rows of this rank added: ids (B, T) -> (B, T/t, C). The position table sees this rank's
+    rows only, so its gradient is summed over the group like a LayerNorm's."""
+
+    def __init__(self, vocab, d_model, seq_len, tp_comm):
+        super().__init__(vocab, d_model, seq_len, tp_comm)
+        self.tok.g = ScatterToSequence(tp_comm, self.tok)
+        self.tp_comm = tp_comm
+        mark(self.pos)
+
+    def forward(self, idx, micro_id=0):
+        lo, hi = sequence_rows(idx.shape[1], self.tp_comm)
+        return self.tok.forward(idx, micro_id) + self.pos.data[lo:hi]  # (B, T/t, C)
+
+    def backward_weight(self, micro_id=0):
+        (dout,) = self.saved(micro_id)  # (B, T/t, C): this rank's rows
+        lo = self.tp_comm.rank * dout.shape[1]
+        self.pos.grad[lo:lo + dout.shape[1]] += dout.sum(axis=0)
+        self.tok.backward_weight(micro_id)
+
+
+class SequenceParallelGPTHead(ParallelGPTHead):
+    """The final LayerNorm on this rank's rows (B, T/t, C), then f' gathers the sequence for
+    the vocabulary-parallel output layer: its logits (B, T, V/t) are tensor parallelism's."""
+
+    def __init__(self, d_model, vocab, tp_comm):
+        super().__init__(d_model, vocab, tp_comm)
+        self.out.f = GatherFromSequence(tp_comm, self.out)
+        mark(self.ln)
+
+
+def parallel_gpt(vocab, d_model, n_heads, n_layers, seq_len, tp_comm, sequence_parallel=False):
+    """nn.GPT split over tp_comm: embed, blocks.0 .. blocks.{L-1}, head; with
+    ``sequence_parallel`` the LayerNorm regions are also split along the sequence."""
+    embed, block, head = (SequenceParallelGPTEmbedding, SequenceParallelBlock,
+                          SequenceParallelGPTHead) if sequence_parallel else \
+        (ParallelGPTEmbedding, ParallelBlock, ParallelGPTHead)
+    layers = [("embed", embed(vocab, d_model, seq_len, tp_comm))]
+    layers += [(f"blocks.{i}", block(d_model, n_heads, tp_comm)) for i in range(n_layers)]
+    layers.append(("head", head(d_model, vocab, tp_comm)))
     return nn.Sequential(layers)
 
 

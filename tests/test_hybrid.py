@@ -46,6 +46,23 @@ def test_command_line_matches_serial_with_synchronous_sends(mpirun, tmp_path, ca
     assert "[rank 2, pp 1] Send" in out and "[rank 2, pp 1] Isend posted" in out
 
 
+def test_zero_1_command_line_matches_serial(mpirun, tmp_path, capsys):
+    """--zero 1 over the dp groups of dp 2 x pp 2: the runner reports it, trains as the serial
+    trainer, and each rank keeps Adam's state for half its stage (the --memory table)."""
+    saved = tmp_path / "hybrid_zero.npz"
+    out = mpirun(4, ["-m", "mpipar.hybrid", "--dp", "2", "--pp", "2", "--zero", "1", *TINY_GPT,
+                     "--save-params", saved, "--memory"], timeout=90).stdout
+    assert_matches_serial(out, TINY_GPT, saved, tmp_path, capsys)
+    assert "dp ZeRO-1 (Reduce_scatter, Allgather)" in out, out
+    # rank, where (4 words), parameters, gradients, optimizer: Adam's two moments of 1/2 of the
+    # stage take as many bytes as its (padded) parameters, not twice as many
+    rows = [line.split() for line in out.splitlines() if re.match(r"\s+\d  dp \d pp \d", line)]
+    assert len(rows) == 4, out
+    for row in rows:
+        params, grads, optimizer = (int(v.replace(",", "")) for v in row[5:8])
+        assert params == grads == optimizer, row
+
+
 def test_print_grid_follows_the_layout_formula(mpirun):
     """--tp 2 alone on 4 ranks: dp defaults to 4 // 2 = 2, pp to 1."""
     out = mpirun(4, ["-m", "mpipar.hybrid", "--tp", "2", "--print-grid"], timeout=30).stdout

@@ -12,8 +12,10 @@ from COMM_WORLD in this one launch; checked on every rank:
   after the stage's last backward; with --overlap, one Iallreduce per bucket;
 - the model gathered to world rank 0 is the whole serial model under the serial names, and
   the comparison would catch a one-element slip.
-Also a GPT with buckets and overlap, and an MLP whose stage boundary cuts a column/row pair
-(the activation between the stages is split over the tp ranks).
+Also a GPT with buckets and overlap, an MLP whose stage boundary cuts a column/row pair
+(the activation between the stages is split over the tp ranks), and ZeRO-1 over the dp groups
+(--zero 1: one Reduce_scatter and one Allgather of the padded flat buffer after the last
+backward, each rank's optimizer state 1/D of its piece's).
 """
 
 import hashlib
@@ -39,8 +41,10 @@ MLP = ["--model", "mlp", "--sizes", "64,16,16,10", "--batch-size", "8"]
 LAYOUTS = {4: [(2, 1, 2), (1, 2, 2), (2, 2, 1)], 8: [(2, 2, 2)]}[N]
 EXTRA = {  # (layout, schedule, model flags, extra flags)
     4: [((1, 2, 2), "gpipe", MLP, []), ((2, 1, 2), "1f1b", GPT, ["--bucket-mb", "0.001",
-                                                                  "--overlap"])],
-    8: [((2, 2, 2), "1f1b", GPT, ["--bucket-mb", "0.001", "--overlap"])],
+                                                                  "--overlap"]),
+        ((2, 1, 2), "1f1b", GPT, ["--zero", "1"]), ((2, 2, 1), "gpipe", MLP, ["--zero", "1"])],
+    8: [((2, 2, 2), "1f1b", GPT, ["--bucket-mb", "0.001", "--overlap"]),
+        ((2, 2, 2), "gpipe", GPT, ["--zero", "1"])],
 }[N]
 TASKS, REFS = {}, {}
 
@@ -95,13 +99,21 @@ def check_sync(trainer, name):
     if trainer.grid.dp_size == 1:
         assert trainer.update.sync is None and not stats, (name, dict(stats))
         return
-    n_buckets = len(trainer.update.sync.buckets)
     want = sum(p.data.nbytes for p in params)
+    last_backward = max(e[1] for e in TRACE.events if e[2] == "backward")
+    dp_calls = [e for e in TRACE.events if e[2] == "comm" and e[4].get("comm") == "dp"]
+    if trainer.args.zero:  # one Reduce_scatter and one Allgather of the padded flat buffer
+        zero, d = trainer.update.zero, trainer.grid.dp_size
+        assert set(stats) == {"Reduce_scatter", "Allgather"}, (name, set(stats))
+        assert stats["Reduce_scatter"]["calls"] == stats["Allgather"]["calls"] == 1, name
+        assert stats["Reduce_scatter"]["sent"] == zero.flat.nbytes == d * zero.shard.data.nbytes
+        assert 0 <= zero.flat.nbytes - want < d * W, (name, zero.flat.nbytes, want)
+        assert all(e[0] >= last_backward for e in dp_calls), f"{name}: dp sync before backward"
+        return
+    n_buckets = len(trainer.update.sync.buckets)
     assert stats["Allreduce"]["calls"] == n_buckets, (name, dict(stats["Allreduce"]))
     assert stats["Allreduce"]["sent"] == want, (name, stats["Allreduce"]["sent"], want)
     assert set(stats) == {"Allreduce"}, (name, set(stats))
-    last_backward = max(e[1] for e in TRACE.events if e[2] == "backward")
-    dp_calls = [e for e in TRACE.events if e[2] == "comm" and e[4].get("comm") == "dp"]
     if trainer.args.overlap:
         assert n_buckets > 1, (name, "overlap test needs several buckets")
         launched_after = trainer.update.sync.launch_log  # gradients final at each launch
@@ -139,6 +151,11 @@ def check(layout, schedule, flags, extra=()):
         assert err <= TOL, f"{name}: rank {RANK} {pname} relative error {err:.2e}"
     mine = digest(trainer.stage.parameters())
     assert set(grid.dp_comm.allgather_obj(mine)) == {mine}, f"{name}: dp replicas differ"
+    if args.zero:  # each rank's optimizer state: 1/D of its piece's, plus the padding
+        zero, n = trainer.update.zero, sum(q.size for q in trainer.stage.parameters())
+        kinds = len(trainer.update.opt.new_state(zero.shard))  # SGD's momentum, Adam's m, v
+        assert trainer.update.opt.state_bytes() == kinds * W * zero.shard_size > 0, name
+        assert 0 <= zero.shard_size * d - n < d, (name, zero.shard_size, n)
     _, replicated = TP.split_parameters(trainer.stage)
     mine = digest(replicated)
     assert set(grid.tp_comm.allgather_obj(mine)) == {mine}, f"{name}: tp copies differ"
