@@ -12,7 +12,7 @@ export OMP_NUM_THREADS := 1
 export OPENBLAS_NUM_THREADS := 1
 export MKL_NUM_THREADS := 1
 
-.PHONY: install demo cluster-demo test lint report clean
+.PHONY: install demo cluster-demo test lint report figures clean
 
 install: $(STAMP)
 
@@ -41,6 +41,11 @@ test: lint
 
 report: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m mpipar.report
+
+# The course's pictures of the ideas, drawn from the code into lessons/figures/ (with data.json,
+# the hashes the tests compare: rerun this after changing a schedule, the ring or the grid).
+figures: $(STAMP)
+	$(BIN)/python -m mpipar.figures
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -12,6 +12,7 @@ and the text calls them predictions.
 
 from mpipar.bench.common import PLOTS, environment, read_csv
 from mpipar.bench.common import csv_float as _f
+from mpipar.bench.pp import speedup_paragraph
 
 
 def _pct(x):
@@ -92,7 +93,8 @@ def allreduce_section():
         "",
         f"A ping-pong in the same run fits alpha = {_f(net, 'alpha') * 1e6:.1f} us per message "
         f"and beta = {_f(net, 'beta') * 1e9:.3f} ns per byte ({1 / _f(net, 'beta') / 1e9:.2f} "
-        "GB/s) (`net.csv`). The lines are the REFERENCE formulas with these values: the master "
+        "GB/s) (`net.csv`). The lines are the formulas of `lessons/formulas.md#collectives` "
+        "with these values: the master "
         "scheme (Reduce then Bcast through one root) moves the most data; MPI's Allreduce and the "
         "hand-written ring track the bandwidth term for large messages. Small messages cost far "
         "more than alpha when ranks sleep while they wait.",
@@ -140,7 +142,7 @@ def pipeline_section():
         f"The bubble measured from the traces against (p-1)/(m+p-1): at P = 2 the largest gap "
         f"over GPipe and 1F1B is {gap(2):.3f} (target 0.05); at P = 4 (oversubscribed) "
         f"{gap(4):.3f}, since each message must wake a sleeping rank (`pp.csv`).",
-        "",
+        *speedup_paragraph(pp),
         "![timelines](pp_timelines.png)",
         "",
         "Real traces of one step: naive runs one stage at a time; GPipe runs every forward, "
@@ -236,11 +238,13 @@ def memory_section():
     rows = {(r["experiment"], int(r["ranks"]), r["config"], int(r["rank"])): r
             for r in read_csv("memory_bench.csv")}
     mib = lambda r, *keys: f"{sum(_f(r, k) for k in keys) / 2**20:.2f} MiB"  # noqa: E731
-    ms = lambda r: (f"{_f(r, 'step_ms'):.0f} ms ({_f(r, 'step_ms_min'):.0f}-"  # noqa: E731
-                    f"{_f(r, 'step_ms_max'):.0f})")
+    ms = lambda r: "%.0f ms (%.0f-%.0f)" % tuple(_f(r, f"step_ms{k}") for k in ("", "_min", "_max"))  # noqa
     state = ("params_bytes", "grads_bytes", "optimizer_bytes")
     z, z2 = ({k: rows["zero", p, f"ZeRO-{k}", 0] for k in range(4)} for p in (4, 2))
     off, on = (rows["pipeline", 4, f"recompute {w}", 0] for w in ("off", "on"))
+    over = lambda r: f"{round(sum(_f(r, k) for k in state) - _f(r, 'formula_bytes')):,}"  # noqa
+    cost = [z2[3]] + [rows["pipeline", 2, f"recompute {w}", 0] for w in ("on", "selective")]
+    said = lambda r: f"{r['config']} {_f(r, 'predicted_step_ms'):.0f} ms for {ms(r)}"  # noqa
     return [
         "## Memory per rank",
         "",
@@ -251,26 +255,24 @@ def memory_section():
         f"{int(z[0]['params']):,} parameters with Adam in float32 on 4 ranks: parameters, "
         "gradients and optimizer state take " + ", ".join(
             f"{mib(z[k], *state)} a rank with ZeRO-{k} (formula {mib(z[k], 'formula_bytes')})"
-            for k in range(4)) + ". ZeRO-1 and -2 hold more than their formula: each rank "
-        "keeps its shard as a Parameter of its own, a second copy of its block of values "
-        "(ZeRO-1 of its summed gradient too); ZeRO-0 and -1 also keep the flat buffer of Step "
-        f"1's Bcast ({mib(z[0], 'buffers_bytes')}), ZeRO-1 beside it the padded buffer of its "
-        f"collectives ({mib(z[1], 'buffers_bytes')} of buffers in all). The most a rank held "
+            for k in range(4)) + f". Beyond it ZeRO-1 holds {over(z[1])} and ZeRO-2 "
+        f"{over(z[2])} bytes, the padding (a shard is a view into its whole buffers), ZeRO-0 the "
+        f"flat buffer of Step 1's Bcast ({mib(z[0], 'buffers_bytes')}). The most a rank held "
         "at once in a step: " + ", ".join(f"{mib(z[k], 'peak_bytes')} with ZeRO-{k}"
                                          for k in range(4))
         + " (ZeRO-2's includes the whole gradient during the backward, ZeRO-3's one layer "
         f"gathered at a time), beside {mib(z[0], 'activations_bytes')} of activations.",
         "",
-        f"Step time, median over rounds (min-max), with a load average of "
-        f"{_f(z[0], 'loadavg_1min'):.1f} from other work when the run began: on 2 ranks ZeRO-0 "
-        f"{ms(z2[0])}, ZeRO-3 {ms(z2[3])}; on 4 ranks (oversubscribed) {ms(z[0])} and "
-        f"{ms(z[3])}.",
+        f"Step time, median over rounds (min-max), load average {_f(z[0], 'loadavg_1min'):.1f} "
+        f"at the start: on 2 ranks ZeRO-0 {ms(z2[0])}, ZeRO-3 {ms(z2[3])}; on 4 ranks "
+        f"(oversubscribed) {ms(z[0])} and {ms(z[3])}.",
         "",
         f"Recomputation on a 4-stage pipeline (1F1B, 8 micro-batches): stage 0 held "
         f"{mib(off, 'activations_bytes')} of activations at their peak without it and "
         f"{mib(on, 'activations_bytes')} with it (the batch's token ids); its step peak fell "
         f"from {mib(off, 'peak_bytes')} to {mib(on, 'peak_bytes')}; a step took {ms(on)} with "
-        f"it, {ms(off)} without.",
+        f"it, {ms(off)} without. The cost model on 2 ranks (a core each), its FLOP rate fitted "
+        "to ZeRO-0 and to recompute off there: " + ", ".join(map(said, cost)) + ".",
         "",
     ]
 
@@ -338,16 +340,18 @@ def extrapolation_section(extrapolation):
 
 
 # ----------------------------------------------------------------------------- the report
-def write_report(validation, extrapolation, bench_times):
+def write_report(validation, extrapolation, bench_times, headline_lines=(), speed_lines=()):
     """plots/REPORT.md: every plot with what it shows; every number read from a CSV.
 
     ``validation`` and ``extrapolation`` are the rows the report wrote to model_validation.csv
     and extrapolation.csv; ``bench_times`` maps each benchmark to its seconds (empty when the
-    plots were only redrawn). Returns the path written.
+    plots were only redrawn); ``headline_lines`` and ``speed_lines`` the sections of
+    :mod:`mpipar.headlines` and :mod:`mpipar.report_speed`. Returns the path written.
     """
     env = environment()
     dp = read_csv("dp.csv")
-    lines = (header(env, bench_times) + engine_section(env) + speedup_section(dp)
+    lines = (header(env, bench_times) + list(headline_lines) + engine_section(env)
+             + list(speed_lines) + speedup_section(dp)
              + allreduce_section() + data_parallel_section(dp) + pipeline_section()
              + tensor_parallel_section() + layouts_section() + checkpoint_section()
              + memory_section() + cost_model_section(validation)

@@ -49,13 +49,20 @@ def busy_fraction(events, kinds, t_begin, t_end):
     return busy / (t_end - t_begin)
 
 
-def gantt(per_rank, path, title="", kinds_colors=None, row_label="stage", ax=None):
+def gantt(per_rank, path, title="", kinds_colors=None, row_label="stage", ax=None, ranks=None):
     """Draw per-rank events as a Gantt chart and save it to ``path`` (PNG); with ``ax``, draw
-    into that matplotlib axes instead (several charts in one figure) and return it."""
+    into that matplotlib axes instead (several charts in one figure) and return it.
+
+    A bar carries its micro-batch number in 7 pt where that fits, else in 5 pt, else none (a
+    note under the chart counts those). The legend sits right of the chart, off the bars. When
+    ``ranks`` (default: one per row) outnumber the cores, a note says the bars are stretched:
+    a rank that waits for a core looks busy."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from mpipar.backend import cores
 
     colors = kinds_colors or {"forward": "#4C72B0", "backward": "#DD8452", "weight": "#8172B3",
                               "optimizer": "#55A868"}  # weight: W, a backward's second part
@@ -68,6 +75,16 @@ def gantt(per_rank, path, title="", kinds_colors=None, row_label="stage", ax=Non
     own = ax is None
     if own:
         fig, ax = plt.subplots(figsize=(11, 0.6 * len(per_rank) + 1.4))
+    span_ms = (t_last - t_zero) * 1e3
+    ax.set_xlim(0, span_ms)
+    box = ax.get_window_extent()
+    pt_per_ms = box.width * 72 / ax.figure.dpi / span_ms  # a bar's width in points
+
+    def font_size(label, width_ms):  # digits are about 0.65 em wide; 3 pt of margin
+        fits = [s for s in (7, 5) if 0.65 * s * len(label) + 3 <= width_ms * pt_per_ms]
+        return fits[0] if fits else None
+
+    unlabelled = 0
     for r, events in enumerate(per_rank):
         for t0, t1, kind, _label, info in events:
             if shade(kind, info) not in colors:
@@ -75,21 +92,32 @@ def gantt(per_rank, path, title="", kinds_colors=None, row_label="stage", ax=Non
             x0, w = (t0 - t_zero) * 1e3, (t1 - t0) * 1e3
             ax.barh(r, w, left=x0, height=0.8, color=colors[shade(kind, info)],
                     edgecolor="black", linewidth=0.4)
-            if "micro" in info and w > 0.025 * (t_last - t_zero) * 1e3:
+            size = font_size(str(info["micro"]), w) if "micro" in info else None
+            unlabelled += "micro" in info and size is None
+            if size:
                 ax.text(x0 + w / 2, r, str(info["micro"]), ha="center", va="center",
-                        fontsize=7, color="white")
+                        fontsize=size, color="white")
     ax.set_yticks(range(len(per_rank)))
     ax.set_yticklabels([f"{row_label} {r}" for r in range(len(per_rank))])
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
     drawn = [k for k in colors if any(shade(e[2], e[4]) == k for ev in per_rank for e in ev)]
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors[k]) for k in drawn]
-    ax.legend(handles, drawn, loc="upper right", fontsize=8, ncol=max(len(drawn), 1))
+    ax.legend(handles, drawn, loc="upper left", bbox_to_anchor=(1.005, 1), fontsize=8,
+              borderaxespad=0)
+    ranks = len(per_rank) if ranks is None else ranks
+    notes = ([f"{ranks} ranks on {cores()} cores: a rank waiting for a core looks busy, so "
+              "bars and gaps are stretched"] if ranks > cores() else []) + \
+        ([f"micro-batch numbers left out on {unlabelled} bars too narrow to hold them"]
+         if unlabelled else [])
+    if notes:  # under the axis label, in points, whatever the chart's height
+        ax.annotate("\n".join(notes), xy=(0, 0), xycoords="axes fraction", xytext=(0, -32),
+                    textcoords="offset points", va="top", fontsize=8, style="italic")
     ax.set_title(title)
     if not own:
         return ax
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # the legend and notes are outside the axes
     plt.close(fig)
     return path
 

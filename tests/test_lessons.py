@@ -6,6 +6,21 @@ are the ``$ ...`` lines of ```console blocks; each one runs from the repository 
 exit 0. Training commands that set no ``--steps`` run shortened to 3 steps (``--steps 3
 --quiet`` added before any pipe) and benchmarks with ``--quick``, so the suite stays fast.
 Benchmarks write into a scratch folder (``MPIPAR_PLOTS``), never over the committed plots.
+
+Expected output: the lines that follow a ``$`` line in its block, up to the next ``$`` line,
+are what that command prints (stdout, or what the command line itself redirects), and the test
+compares them with what it printed, from its first line to its last:
+
+- a line of its own ``...`` stands for any number of lines (none included);
+- ``...`` inside a line stands for any text on that line;
+- a line ending in ``# varies`` must print the same words with any numbers (the comment is
+  not printed; runs of spaces may differ, as right-aligned columns of other widths do);
+- a line ending in ``# within N%`` must print the same words, with each number within N% of
+  the one shown.
+
+A command the test shortens (see :func:`shortened`) prints what the shortened run prints, not
+the full run the lesson shows, so only its exit code is checked. Blocks whose output varies too
+much to show belong in a ```` ```bash ```` block, which is not run.
 """
 
 import ast
@@ -13,6 +28,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -31,12 +47,53 @@ def citations():
 
 
 def commands():
+    """Every ``$`` command of every console block, with the output lines shown after it."""
     for lesson in LESSONS:
         for block in re.findall(r"```console\n(.*?)```", lesson.read_text(), re.S):
-            for line in block.splitlines():
-                line = line.strip()  # a block indented under a list item counts too
-                if line.startswith("$ "):
-                    yield pytest.param(line[2:], id=f"{lesson.stem}:{line[2:60]}")
+            block = textwrap.dedent(block)  # a block indented under a list item counts too
+            for part in re.split(r"^\$ ", block, flags=re.M)[1:]:
+                command, *shown = part.rstrip("\n").split("\n")
+                yield pytest.param(command.strip(), [line.rstrip() for line in shown],
+                                   id=f"{lesson.stem}:{command[:58]}")
+
+
+NUMBER = r"-?\d[\d,]*(?:\.\d+)?(?:e-?\d+)?"
+
+
+def shape(text):
+    """A regex for text whose numbers may be any numbers and whose runs of spaces any runs."""
+    parts = re.split(rf"({NUMBER}|\s+)", text)
+    return "".join(NUMBER if re.fullmatch(NUMBER, x) else r"\s+" if x.isspace() else
+                   re.escape(x) for x in parts if x)
+
+
+def line_matches(shown, printed):
+    """One shown line against one printed line (the rules of the module docstring)."""
+    shown, _, note = shown.partition("  # ")
+    tolerance = re.fullmatch(r"within (\d+(?:\.\d+)?)%", note)
+    loose = note == "varies" or tolerance
+    parts = shown.rstrip().split("...")  # "...", with the spaces before it: any text
+    pattern = ".*".join((shape if loose else re.escape)(part.rstrip(" ") if i < len(parts) - 1
+                                                         else part) for i, part in enumerate(parts))
+    if not re.fullmatch(pattern, printed.rstrip()):
+        return False
+    if not tolerance:
+        return True
+    want, got = (re.findall(NUMBER, text.replace("...", " ")) for text in (shown, printed))
+    share = float(tolerance.group(1)) / 100
+    return len(want) == len(got) and all(
+        abs(float(g.replace(",", "")) - float(w.replace(",", "")))
+        <= share * abs(float(w.replace(",", ""))) for w, g in zip(want, got))
+
+
+def output_matches(shown, printed):
+    """Whether the printed lines are the shown ones, ``...`` lines standing for any lines."""
+    if not shown:
+        return not printed
+    if shown[0] == "...":
+        return any(output_matches(shown[1:], printed[i:]) for i in range(len(printed) + 1))
+    return bool(printed) and line_matches(shown[0], printed[0]) and \
+        output_matches(shown[1:], printed[1:])
 
 
 def defined_names(path):
@@ -79,6 +136,17 @@ def test_pictures_exist(lesson):
         assert (ROOT / "lessons" / ref).resolve().exists(), f"{lesson} shows {ref}: missing"
 
 
+def test_every_figure_is_shown():
+    """A picture of an idea (lessons/figures/, `make figures`) is linked by some lesson, as
+    `figures/NAME.png`, resolved from lessons/ like every other picture."""
+    shown = {(ROOT / "lessons" / ref).resolve() for p in LESSONS
+             for ref in PICTURE.findall(p.read_text())}
+    figures = sorted((ROOT / "lessons" / "figures").glob("*.png"))
+    assert figures, "lessons/figures/ holds no pictures: run `make figures`"
+    unshown = [f.name for f in figures if f.resolve() not in shown]
+    assert not unshown, f"pictures no lesson shows: {unshown}"
+
+
 def shortened(command):
     """The command with its flags for a short run added to its first part (before any pipe)."""
     first, pipe, rest = command.partition(" | ")
@@ -89,8 +157,8 @@ def shortened(command):
     return first + pipe + rest
 
 
-@pytest.mark.parametrize("command", list(commands()))
-def test_command_runs(command, tmp_path):
+@pytest.mark.parametrize("command,shown", list(commands()))
+def test_command_runs(command, shown, tmp_path):
     bin_dir = Path(sys.executable).parent
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
                MPIPAR_PLOTS=str(tmp_path),  # benchmarks write here, not over plots/
@@ -103,3 +171,7 @@ def test_command_runs(command, tmp_path):
     except subprocess.TimeoutExpired:
         pytest.fail(f"deadlock? `{cmd}` did not finish in 180 s")
     assert proc.returncode == 0, f"`{cmd}` exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    if cmd == command and shown:  # a shortened run prints another run's output
+        printed = proc.stdout.rstrip("\n").split("\n")
+        assert output_matches(shown, printed), \
+            "the lesson shows:\n" + "\n".join(shown) + "\n\nthe command printed:\n" + proc.stdout

@@ -1,6 +1,7 @@
 """The network model every other benchmark leans on: latency alpha and seconds per byte beta,
 fitted to a ping-pong between two ranks, then the time of an allreduce against its size for
-three algorithms, measured and predicted by the alpha-beta(-gamma) formulas of REFERENCE.md.
+three algorithms, measured and predicted by the alpha-beta(-gamma) formulas of
+lessons/formulas.md#collectives.
 
     python -m mpipar.bench net      # net.csv and net_allreduce.png in --out (see mpipar.bench)
 
@@ -67,7 +68,7 @@ def fit_alpha_beta(sizes, times):
 
 
 def predict(algo, p, n, alpha, beta, gamma=0.0):
-    """Predicted seconds to allreduce n bytes over p ranks (REFERENCE.md, Thakur et al. 2005)."""
+    """Seconds to allreduce n bytes over p ranks (lessons/formulas.md#collectives)."""
     if p == 1:
         return 0.0
     lg = math.ceil(math.log2(p))

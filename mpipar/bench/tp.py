@@ -21,9 +21,10 @@ timeline (mpipar.trace) per step:
 - comm_min: the same, the MINIMUM over ranks: the rank that arrives last waits only for the
   data; this is the number to set beside the alpha-beta prediction.
 
-The prediction (the cost model of REFERENCE.md): alpha and beta from a ping-pong in the same
-run and gamma from a NumPy add (:mod:`mpipar.bench.net`); an Allreduce of n bytes on 2 ranks
-costs ``net.predict("mpi", 2, n, alpha, beta, gamma)``. The P = 1 times are fitted as
+The prediction (the cost model of lessons/formulas.md#collectives): alpha and beta from a
+ping-pong in the same run and gamma from a NumPy add (:mod:`mpipar.bench.net`); an Allreduce of
+n bytes on 2 ranks costs ``net.predict("mpi", 2, n, alpha, beta, gamma)``. The P = 1 times are
+fitted as
 t1 = c0 + c1 h + c2 h^2: c0 the per-step work that does not grow with h (Python calls, mostly),
 c1 h the work linear in h (elementwise ops, attention's T x T products), c2 h^2 the four weight
 matrices. Splitting halves the parts that grow with h and adds the Allreduces:

@@ -1,0 +1,3 @@
+from mpipar.figures import main
+
+main()

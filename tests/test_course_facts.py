@@ -1,0 +1,277 @@
+"""The course's statements of fact, each checked against the code or a committed CSV.
+
+A lesson that quotes a number from ``plots/*.csv``, a list the code defines or a claim about
+what the tests prove is checked here, so that the text cannot drift from what it describes.
+Citations of a Markdown file anywhere in the project (code, tests, lessons, README,
+``plots/REPORT.md``) must resolve to a file, and to a heading when they name one
+(``lessons/formulas.md#collectives``).
+"""
+
+import ast
+import csv
+import inspect
+import json
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from conftest import ROOT
+
+from mpipar import cli
+from mpipar import simulate as S
+
+PLOTS = ROOT / "plots"
+LESSONS = ROOT / "lessons"
+MD_CITE = re.compile(r"(?<![\w/.:-])((?:\.\./)?[\w./-]*\w\.md)(#[\w-]+)?")
+
+
+def rows(name):
+    with open(PLOTS / name, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def lesson(name):
+    return next(LESSONS.glob(f"{name}*.md")).read_text()
+
+
+def flat(text):
+    """Text with its line breaks as spaces, so that a phrase may span two lines."""
+    return " ".join(text.split())
+
+
+# ----------------------------------------------------------------------------- citations
+def slug(heading):
+    """The anchor a Markdown renderer gives a heading (GitHub's rule)."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def cited_files():
+    files = [ROOT / "README.md", PLOTS / "REPORT.md", *LESSONS.rglob("*.md")]
+    return files + sorted((ROOT / "mpipar").rglob("*.py")) + sorted((ROOT / "tests").rglob("*.py"))
+
+
+def md_citations():
+    for path in cited_files():
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if "://" in line:  # a web address is not a file of the project
+                line = re.sub(r"\S+://\S+", "", line)
+            for target, anchor in MD_CITE.findall(line):
+                yield path, i, target, anchor
+
+
+def test_md_citations_are_found():
+    """The scan sees the citations it is meant to check (a regex that matches nothing passes)."""
+    found = {(p.name, t) for p, _, t, _ in md_citations()}
+    assert ("REPORT.md", "lessons/formulas.md") in found, sorted(found)[:20]
+    assert ("README.md", "lessons/README.md") in found
+
+
+@pytest.mark.parametrize("path,line,target,anchor",
+                         [pytest.param(*c, id=f"{c[0].relative_to(ROOT)}:{c[1]}:{c[2]}{c[3]}")
+                          for c in md_citations()])
+def test_md_citation_resolves(path, line, target, anchor):
+    where = f"{path.relative_to(ROOT)}:{line} cites {target}{anchor}"
+    bases = [path.parent, ROOT, PLOTS, LESSONS]
+    found = [b / target for b in bases if (b / target).is_file()]
+    assert found, f"{where}: no such file (looked beside it, at the root, in plots/ and lessons/)"
+    if anchor:
+        headings = re.findall(r"^#+ (.+)$", found[0].read_text(), re.M)
+        assert anchor[1:] in {slug(h) for h in headings}, \
+            f"{where}: no heading with that anchor in {found[0].relative_to(ROOT)}"
+
+
+# ----------------------------------------------------------------------------- lesson 1
+def comm_mpi_methods():
+    """Public methods of mpipar.comm.Comm (its own and inherited) that issue an MPI call: they
+    use ``self.mpi``, or call a method of the class that does (``Send`` posts ``Isend``)."""
+    from mpipar.comm import Comm
+
+    sources = {name: textwrap.dedent(inspect.getsource(f)) for name, f in
+               inspect.getmembers(Comm, inspect.isfunction) if f.__module__.startswith("mpipar")}
+    called = {name: {node.attr for node in ast.walk(ast.parse(src))
+                     if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                     and node.value.id == "self"} for name, src in sources.items()}
+    issuing = {name for name, attrs in called.items() if "mpi" in attrs}
+    while more := {name for name, attrs in called.items() if attrs & issuing} - issuing:
+        issuing |= more
+    return {name for name in issuing if not name.startswith("_")}
+
+
+def test_lesson_1_lists_every_mpi_call_of_comm():
+    text = lesson("01")
+    table = text.split("| call | who sends what | used by |")[1].split("\n\n")[0]
+    listed = set()
+    for row in table.splitlines()[2:]:
+        listed |= set(re.findall(r"`(\w+)`", row.split("|")[1]))
+    methods = comm_mpi_methods()
+    assert {"Send", "Gatherv", "Iallreduce", "allgather_obj"} <= methods, methods
+    assert listed == methods, f"lesson 1 lists {sorted(listed - methods)} too many, " \
+                              f"{sorted(methods - listed)} missing"
+    assert "eight MPI calls" not in text
+
+
+# ----------------------------------------------------------------------------- lesson 3
+def test_lesson_3_master_against_its_model_is_the_csv():
+    """The ratios the lesson quotes for 16 MiB on 2 ranks are those of plots/net.csv."""
+    net = {r["algo"]: float(r["seconds"]) / float(r["predicted_seconds"]) for r in rows("net.csv")
+           if r["kind"] == "allreduce" and r["ranks"] == "2" and r["bytes"] == str(16 * 2**20)}
+    master = next(r for r in rows("net.csv") if r["kind"] == "allreduce" and r["ranks"] == "2"
+                  and r["algo"] == "master" and r["bytes"] == str(16 * 2**20))
+    text = flat(lesson("03"))
+    assert f"{float(master['seconds']) * 1e3:.1f} ms" in text
+    assert f"{float(master['predicted_seconds']) * 1e3:.1f} ms" in text
+    assert f"{net['master']:.1f} times" in text
+    assert f"{net['mpi']:.1f}" in text and f"{net['ring']:.1f}" in text
+    assert net["master"] > 3 * max(net["mpi"], net["ring"]) / 1.7
+    assert "as the models predict" not in text
+
+
+# ----------------------------------------------------------------------------- lesson 4
+def test_lesson_4_exercise_6_crossover_is_in_the_data():
+    tp = rows("tp.csv")
+    two = {tokens: [r for r in tp if r["ranks"] == "2" and r["tokens"] == tokens]
+           for tokens in ("256", "16")}
+    # 4 x 64 tokens: 2 ranks pay off at every width measured, so no crossover in range
+    assert all(float(r["speedup"]) > 1 for r in two["256"])
+    widths = [int(r["hidden"]) for r in two["256"]]
+    assert int(two["256"][0]["predicted_crossover_hidden"]) < min(widths)
+    # 1 x 16 tokens: the crossover the exercise asks for lies inside the measured widths
+    small = two["16"]
+    widths = [int(r["hidden"]) for r in small]
+    for column in ("predicted_crossover_hidden", "measured_crossover_hidden"):
+        assert min(widths) < int(small[0][column]) < max(widths), column
+    speedup = {int(r["hidden"]): float(r["speedup"]) for r in small}
+    assert speedup[64] < 1 < speedup[96]
+    text = flat(lesson("04"))
+    assert "with the small step, b*s = 1 x 16 tokens" in text
+
+
+# ----------------------------------------------------------------------------- lesson 5
+def test_lesson_5_says_the_pipeline_gpt_has_4_blocks():
+    assert cli.parse_args("pipeline", ["--timeline", "none"], n_ranks=4).n_layers == 4
+    assert cli.parse_args("serial", ["--model", "gpt"], n_ranks=1).n_layers == 2
+    text = flat(lesson("05"))
+    assert "pipeline's default is `--n-layers 4`" in text
+    assert "`python -m mpipar.serial --model gpt --n-layers 4`" in text
+
+
+# ----------------------------------------------------------------------------- lesson 6
+def test_lesson_6_tensor_parallelism_beats_data_parallelism_on_2_ranks():
+    two = {r["scheme"]: float(r["speedup"]) for r in rows("scaling.csv") if r["ranks"] == "2"}
+    tp = two["tensor parallel (block, h=1024)"]
+    dp = {k: v for k, v in two.items() if k.startswith("data parallel")}
+    assert len(dp) == 3 and tp > max(dp.values()), two
+    text = flat(lesson("06"))
+    assert f"reaches {tp:.2f}x" in text
+    names = {"master": "master", "allreduce": "allreduce", "allreduce+overlap": "overlap"}
+    for mode, value in dp.items():
+        assert f"{names[mode[len('data parallel ('):-1]]} {value:.2f}x" in text, mode
+    assert "the only scheme here that divides the work" not in text
+
+
+def test_lesson_6_cost_model_beside_megatron():
+    """The lesson's command, run, gives the days the lesson states for 300e9 tokens."""
+    text = flat(lesson("06"))
+    command = re.search(r"\$ python -m mpipar\.simulate --preset gpt3 ([^$]*?"
+                        r"--micro-batches 192 [^$]*?--recompute)", text)
+    argv = ["--preset", "gpt3", *command.group(1).split(), "--json"]
+    out = subprocess.run([sys.executable, "-m", "mpipar.simulate", *argv], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    r = json.loads(out)
+    days = 300e9 / r["tokens_per_s"] / 86400
+    assert (r["dp"], r["tp"], r["pp"], r["n_micro"]) == (8, 8, 16, 192)
+    assert f"300 billion tokens take {days:.1f} days" in text
+    assert f"{round(100 * (days / 34 - 1))}% longer than the paper's 34" in text
+    # the paper's 34 days, read back as a rate per GPU with its 8 T P / (n X)
+    assert round(8 * 300e9 * 175e9 / (1024 * 34 * 86400) / 1e12) == 140
+    assert "about 140 teraFLOP/s per GPU" in text
+
+
+def test_simulate_this_machine_reads_the_measured_csvs(tmp_path):
+    one = next(r for r in rows("flops.csv") if r["ranks"] == "1")
+    ping = next(r for r in rows("net.csv") if r["kind"] == "pingpong")
+    hw = S.measured_machine()
+    assert hw.flops == float(one["gflops_per_rank"]) * 1e9
+    assert (hw.tp_alpha, hw.tp_beta) == (float(ping["alpha"]), float(ping["beta"]))
+    assert hw.name.startswith("this machine (measured: ")
+    assert S.measured_machine(flops=1e9).name.startswith("this machine (measured, flags given")
+    assert S.measured_machine(flops=1e9).flops == 1e9
+    default = S.measured_machine(folder=tmp_path)  # no CSVs: the defaults, and it says so
+    assert default.name.startswith("this machine (defaults: ") and default.flops == 20e9
+    assert hw.name in lesson("06")
+
+
+# ----------------------------------------------------------------------------- lesson 7
+def test_lesson_7_hybrid_memory_claims_are_the_csv():
+    hybrid = {r["layout"]: r for r in rows("hybrid.csv")}
+    model_parallel = [k for k, r in hybrid.items() if r["dp"] == "1"]
+    assert len(model_parallel) == 3
+    params = {k: int(hybrid[k]["param_bytes"]) for k in model_parallel}
+    assert max(params, key=params.get) == "DP1 TP1 PP4"  # the largest share, not the smallest
+    total = {k: int(r["total_bytes_max"]) for k, r in hybrid.items()}
+    assert max(total, key=total.get) == "DP1 TP1 PP4"
+    text = flat(lesson("07"))
+    assert "even though its parameters are the smallest share" not in text
+    for k in model_parallel:
+        assert f"{params[k]:,}" in text, k
+    assert "fails at the *second* step's loss" in text
+    assert "for p in bucket.params:" in text
+
+
+# ----------------------------------------------------------------------------- README
+def test_readme_claims_only_what_the_tests_prove():
+    text = flat((ROOT / "README.md").read_text())
+    assert "to the last bit" not in text
+    assert "relative error of at most 1e-10" in text
+    bitwise = {"ZB-H1 and 1F1B": ("tests/mpi/pp_checks.py", "def check_zero_bubble"),
+               "a run with `--recompute` and one without": ("tests/test_recompute.py", ""),
+               "tensor parallelism's local and master updates": ("tests/mpi/tp_models.py", "")}
+    for claim, (path, where) in bitwise.items():
+        assert claim in text, claim
+        source = (ROOT / path).read_text()
+        assert "np.array_equal" in (source.split(where, 1)[-1] if where else source), claim
+    assert "1e-10" in (ROOT / "tests" / "mpi" / "hybrid_checks.py").read_text()
+
+
+# ----------------------------------------------------------------------------- solutions
+def exercises(text):
+    """The numbers of a lesson's exercises (the numbered list under '## Exercises')."""
+    part = text.split("## Exercises", 1)
+    if len(part) < 2:
+        return []
+    section = part[1].split("\n## ", 1)[0]
+    return [int(n) for n in re.findall(r"^(\d+)\. ", section, re.M)]
+
+
+@pytest.mark.parametrize("path", sorted(LESSONS.glob("[0-9]*.md")), ids=lambda p: p.stem)
+def test_every_exercise_has_a_worked_solution(path):
+    """Each exercise is solved: in ``lessons/solutions/<lesson>.md`` (a heading per exercise),
+    or in a collapsed section of the lesson itself (``## Solutions``, a <details> each)."""
+    text = path.read_text()
+    numbers = exercises(text)
+    if not numbers:
+        pytest.skip(f"{path.name} has no exercises")
+    if "\n## Solutions" in text:
+        section = text.split("\n## Solutions", 1)[1]
+        solved = [int(n) for n in re.findall(r"<summary>(\d+)\.", section)]
+    else:
+        solution = LESSONS / "solutions" / path.name
+        assert solution.exists(), f"{path.name} has exercises {numbers} but no solutions"
+        assert f"solutions/{path.name}" in text, f"{path.name} does not link its solutions"
+        solved = [int(n) for n in re.findall(r"^## Exercise (\d+)", solution.read_text(), re.M)]
+    assert solved == numbers, f"{path.name}: solutions for {solved}, exercises {numbers}"
+
+
+def test_benchmarks_in_lessons_never_write_the_committed_plots():
+    """A lesson command that runs a benchmark writes a scratch folder (the default); one that
+    names ``--out plots`` or writes into plots/ is never a run (console) command."""
+    for path in LESSONS.rglob("*.md"):
+        for block in re.findall(r"```console\n(.*?)```", path.read_text(), re.S):
+            for line in block.splitlines():
+                if line.strip().startswith("$ "):
+                    writes = r"(--out|--timeline|--save-params|--checkpoint)[ =](\./)?plots\b"
+                    assert not re.search(writes + r"|>\s*(\./)?plots/", line), \
+                        f"{path.name}: {line}"

@@ -1,0 +1,187 @@
+"""The course's pictures: each is drawn without error, the committed PNGs are current (the data
+they draw hashes as in lessons/figures/data.json), and each draws what the code does: the
+schedule grids cell for cell from schedules.simulate, the ring from ring_allreduce, the grid from
+Grid's Splits. Also trace.gantt's notes, labels and legend."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import ROOT
+
+from mpipar import figures
+from mpipar.figures import collectives, layouts
+from mpipar.figures.draw import ThreadRanks, pyplot
+from mpipar.grid import Grid
+from mpipar.schedules import bubble_formula, schedule, simulate, simulated_bubble
+
+COMMITTED = ROOT / "lessons" / "figures"
+
+
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory):
+    """Every picture drawn by the command, into a scratch folder."""
+    out = tmp_path_factory.mktemp("figures")
+    proc = subprocess.run([sys.executable, "-m", "mpipar.figures", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def test_every_picture_is_drawn(fresh):
+    for name in figures.figures():
+        png = fresh / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{name}.png is not a PNG"
+
+
+def test_committed_pictures_are_current(fresh):
+    committed = json.loads((COMMITTED / "data.json").read_text())
+    assert json.loads((fresh / "data.json").read_text()) == committed, \
+        "a picture no longer shows what the code does: run `make figures`, commit lessons/figures"
+    for name in committed:
+        assert (COMMITTED / f"{name}.png").exists(), f"lessons/figures/{name}.png is missing"
+
+
+def test_a_change_in_the_data_changes_its_hash():
+    data = collectives.ring_run()
+    before = figures.digest(data)
+    data["sent"][0][0] += 1
+    assert figures.digest(data) != before
+
+
+@pytest.mark.parametrize("name,v", layouts.SCHEDULE_CASES)
+def test_schedule_grid_is_the_simulated_instruction_list(name, v):
+    p, m = 4, 4
+    lists = schedule(name, p, m, v)
+    timeline = simulate(lists, forward_cost=1 / v, backward_cost=2 / v)
+    cells = layouts.schedule_cells(name, p, m, v)
+    for s in range(p):
+        computed = [i for i in lists[s] if i.code in ("F", "B", "W")]
+        assert [(c[0], c[1], c[2]) for c in cells[s]] == \
+            [(i.code, i.micro, i.chunk) for i in computed], f"{name} stage {s}: order"
+        times = [(t0, t1) for i, t0, t1 in timeline[s] if i.code in ("F", "B", "W")]
+        assert np.allclose([c[3:] for c in cells[s]], times, rtol=0, atol=1e-6), \
+            f"{name} stage {s}: times"
+
+
+def test_schedule_picture_bubbles():
+    data = layouts.schedules_run()
+    for name, v in layouts.SCHEDULE_CASES:
+        timeline = simulate(schedule(name, 4, 4, v), forward_cost=1 / v, backward_cost=2 / v)
+        assert data[name]["drawn_bubble"] == pytest.approx(simulated_bubble(timeline), abs=1e-6)
+        assert data[name]["bubble"] == pytest.approx(bubble_formula(4, 4, name, v), abs=1e-6)
+
+
+def test_ring_picture_follows_ring_allreduce():
+    data = collectives.ring_run(p=4)
+    p, holds, sent = data["p"], data["holds"], data["sent"]
+    everyone = list(range(p))
+    assert holds[0] == [[[r]] * p for r in range(p)]
+    for r in range(p):  # after the reduce-scatter rank r holds the whole sum of chunk r + 1
+        assert holds[p - 1][r][(r + 1) % p] == everyone
+        assert sum(c == everyone for c in holds[p - 1][r]) == 1
+    assert holds[-1] == [[everyone] * p for _ in range(p)]
+    for k in range(p - 1):
+        assert sent[k] == [(r - k) % p for r in range(p)]  # reduce-scatter: chunk r - k
+        assert sent[p - 1 + k] == [(r + 1 - k) % p for r in range(p)]  # allgather: r + 1 - k
+    assert data["elements_sent"] == [2 * (p - 1)] * p  # 2(P-1)/P of p elements
+
+
+def test_cross_entropy_picture_matches_the_serial_loss():
+    data = collectives.cross_entropy_run()
+    assert [a["op"] for a in data["allreduces"]] == ["MAX", "SUM", "SUM"]
+    assert data["loss"] == data["serial_loss"]
+    owner = next(r for r, (a, b) in enumerate(data["ranges"]) if a <= data["target"] < b)
+    target = data["allreduces"][1]["parts"]
+    assert [r for r, x in enumerate(target) if x != 0] == [owner]
+    assert data["allreduces"][0]["result"] == max(data["logits"])
+
+
+def test_megatron_picture_covers_both_matrices():
+    data = collectives.megatron_layout(t=2, h=8)
+    for key in ("A_columns", "B_rows"):
+        assert [x for a, b in data[key] for x in range(a, b)] == list(range(32)), key
+    assert data["f"][0].startswith("forward: identity")
+    assert data["g"][0].startswith("forward: Allreduce")
+
+
+def test_grid_picture_groups_are_grids():
+    layout = layouts.grid_layout(dp=2, tp=2, pp=2)
+    for e in layout:
+        assert e["rank"] == Grid.rank_of(e["dp"], e["pp"], e["tp"], (2, 2, 2))
+    for kind, fixed in (("tp", ("dp", "pp")), ("pp", ("dp", "tp")), ("dp", ("pp", "tp"))):
+        for e in layout:  # same colour <=> same coordinates outside the group's own axis
+            mates = {f["rank"] for f in layout if f["groups"][kind] == e["groups"][kind]}
+            assert mates == {f["rank"] for f in layout
+                             if all(f[c] == e[c] for c in fixed)}, (kind, e)
+
+
+def test_an_error_on_one_stand_in_rank_ends_them_all():
+    def fn(comm):
+        if comm.rank == 1:
+            raise ValueError("rank 1 fails")
+        comm.Allreduce(np.zeros(1))  # the others wait in the barrier, which breaks
+
+    with pytest.raises(ValueError, match="rank 1 fails"):
+        ThreadRanks(3).run(fn)
+
+
+# ----------------------------------------------------------------------------- trace.gantt
+def bars(widths_ms, rows=2):
+    """Events per row: forward bars of the given widths (ms), one micro-batch each."""
+    per_rank = []
+    for _ in range(rows):
+        t, events = 0.0, []
+        for k, w in enumerate(widths_ms):
+            events.append((t, t + w / 1e3, "forward", "F", {"micro": k}))
+            t += w / 1e3 + 1e-4
+        per_rank.append(events)
+    return per_rank
+
+
+def drawn(widths_ms, monkeypatch, cores=64, ranks=None):
+    from mpipar import backend
+    from mpipar.trace import gantt
+
+    plt = pyplot()
+    monkeypatch.setattr(backend, "cores", lambda: cores)
+    fig, ax = plt.subplots(figsize=(11, 2))
+    gantt(bars(widths_ms), None, ax=ax, ranks=ranks)
+    texts = [t.get_text() for t in ax.texts]
+    legend = ax.get_legend().get_window_extent()
+    plt.close(fig)
+    return texts, legend, ax.get_window_extent()
+
+
+def test_gantt_labels_the_bars_that_hold_them(monkeypatch):
+    texts, _, _ = drawn([10] * 8, monkeypatch)
+    assert sorted(texts) == sorted([str(k) for k in range(8)] * 2)  # no note: all fit
+    texts, _, _ = drawn([10, 0.01, 10], monkeypatch)
+    assert sorted(t for t in texts if len(t) == 1) == ["0", "0", "2", "2"]
+    assert "micro-batch numbers left out on 2 bars too narrow to hold them" in texts
+
+
+def test_gantt_notes_oversubscription_and_keeps_the_legend_off_the_bars(monkeypatch):
+    texts, legend, axes = drawn([10] * 4, monkeypatch, cores=2, ranks=4)
+    assert any(t.startswith("4 ranks on 2 cores") for t in texts), texts
+    assert legend.x0 >= axes.x1  # right of the chart
+    texts, _, _ = drawn([10] * 4, monkeypatch, cores=4, ranks=4)
+    assert not any("cores" in t for t in texts)
+
+
+def test_lessons_quote_the_pictures_numbers():
+    def text(prefix):
+        return " ".join(next((ROOT / "lessons").glob(f"{prefix}*.md")).read_text().split())
+
+    bubbles = layouts.schedules_run()
+    for name in ("naive", "gpipe", "interleaved", "zb-h1"):
+        assert f"{bubbles[name]['drawn_bubble']:.3f})" in text("05"), name
+    ring = collectives.ring_run(p=4)
+    share = ring["elements_sent"][0] / ring["p"]
+    assert f"{share:g} buffers in all" in text("01")
+    assert f"sends {share:g} n on 4 ranks" in text("03")
+    ce = collectives.cross_entropy_run()
+    per_rank = {b - a for a, b in ce["ranges"]}
+    assert f"one row of {len(ce['logits'])} logits, {per_rank.pop()} columns per rank" in text("04")

@@ -1,0 +1,78 @@
+"""The student track: a copy whose exercises are stubs fails every one of them, the reference
+passes every one, and a one-element mistake is caught and named by the parameter it spoils."""
+
+import ast
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+from mpipar import student
+
+
+def grade(copy, *names):
+    proc = subprocess.run([sys.executable, "-m", "mpipar.student", "grade", str(copy), *names],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    lines = dict(line.split(None, 1) for line in proc.stdout.splitlines()
+                 if line.split(None, 1)[0] in {ex.name for ex in student.EXERCISES})
+    return proc, lines
+
+
+@pytest.fixture(scope="module")
+def copy(tmp_path_factory):
+    target = tmp_path_factory.mktemp("student") / "mpipar-exercises"
+    student.make(target)
+    return target
+
+
+def test_every_exercise_is_a_stub_with_its_task_and_docstring(copy):
+    for ex in student.EXERCISES:
+        original = ast.parse((ROOT / ex.path).read_text())
+        tree = ast.parse((copy / ex.path).read_text())
+        for name in ex.functions:
+            node, before = student.definition(tree, name), student.definition(original, name)
+            assert ast.get_docstring(node) == ast.get_docstring(before), name
+            body = [n for n in node.body if not isinstance(n, ast.Expr)]
+            assert len(body) == 1 and isinstance(body[0], ast.Raise), (ex.name, name)
+            assert f"exercise {ex.name}:" in ast.unparse(body[0])
+    untouched = (ROOT / "mpipar" / "nn.py").read_text()
+    assert (copy / "mpipar" / "nn.py").read_text() == untouched
+
+
+def test_the_stubs_fail_and_the_reference_passes(copy):
+    proc, lines = grade(copy)
+    assert proc.returncode == len(student.EXERCISES), proc.stdout + proc.stderr
+    assert len(lines) == len(student.EXERCISES), proc.stdout
+    assert all(v == "FAILED: not written yet (NotImplementedError)" for v in lines.values()), \
+        proc.stdout
+    proc, lines = grade(ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert len(lines) == len(student.EXERCISES), proc.stdout
+    assert all(v == "passed" for v in lines.values()), proc.stdout
+    assert f"{len(student.EXERCISES)} of {len(student.EXERCISES)} exercises passed" in proc.stdout
+
+
+def test_a_one_element_mistake_is_named(tmp_path):
+    """The reference ring allreduce with one element of each received chunk left unsummed: it
+    trains, but not as the serial model does."""
+    copy = tmp_path / "copy"
+    student.make(copy)
+    source = (ROOT / "mpipar" / "data_parallel.py").read_text()
+    right = "        mine += got\n"
+    assert source.count(right) == 1
+    wrong = "        mine[:-1] += got[:-1]  # the last element never summed\n"
+    (copy / "mpipar" / "data_parallel.py").write_text(source.replace(right, wrong))
+    proc, lines = grade(copy, "ring-allreduce")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert lines["ring-allreduce"].startswith("FAILED: first mismatching parameter "), proc.stdout
+
+
+def test_bad_input(tmp_path):
+    (tmp_path / "x").write_text("")
+    with pytest.raises(SystemExit, match="not empty"):
+        student.make(tmp_path)
+    with pytest.raises(SystemExit, match="not a copy made by"):
+        student.grade(tmp_path / "nowhere")
+    with pytest.raises(SystemExit, match="no exercise 'ring'"):
+        student.grade(ROOT, ["ring"])
