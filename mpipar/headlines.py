@@ -123,6 +123,16 @@ def collect(folders):
     return rows
 
 
+def with_once(rows, folder):
+    """``rows`` with the figures of the benchmarks run once, on their own (``ONCE``), read
+    afresh from ``folder`` as launch 1: they may be newer than the report's launches."""
+    once = {h.key for h in HEADLINES if h.bench in ONCE}
+    kept = [r for r in rows if r["key"] not in once]
+    state = machine_state(folder)
+    return kept + [dict(key=h.key, launch=1, value=round(h.extract(folder), 4), **state)
+                   for h in HEADLINES if h.key in once and h.extract(folder) is not None]
+
+
 def meets(value, target):
     op, bound = target
     return value <= bound if op == "<=" else value >= bound

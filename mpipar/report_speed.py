@@ -72,8 +72,8 @@ def wait_lines(folder=PLOTS):
     for scheme in dict.fromkeys(r["scheme"] for r in cells):
         mine = {r["strategy"]: r for r in cells if r["scheme"] == scheme}
         lines.append(f"| {scheme} | " + " | ".join(
-            f"{float(mine[s]['step_ms']):.1f} ({float(mine[s]['min_ms']):.0f}-"
-            f"{float(mine[s]['max_ms']):.0f})" for s in strategies) + " |")
+            f"{float(mine[s]['step_ms']):.1f} ({float(mine[s]['min_ms']):.1f}-"
+            f"{float(mine[s]['max_ms']):.1f})" for s in strategies) + " |")
     lines += ["", "Sharing the cores: " + "; ".join(
         f"{r['scheme']} {float(r['ratio']):.2f} ({float(r['ratio_min']):.2f}.."
         f"{float(r['ratio_max']):.2f}), target at most {r['target']}: "

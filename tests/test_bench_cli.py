@@ -136,21 +136,20 @@ def test_grid_refuses_a_size_below_one(flags, says, mpirun):
 
 
 # ----------------------------------------------------------------------------- bench wait
-def test_wait_takes_a_step_as_the_difference_of_two_launches(monkeypatch, tmp_path, capsys):
-    """No launch here: wall() is replaced by a launch that costs 2 s plus 10 ms per step on 2
-    ranks, 13 ms on 4 with the default strategy and 20 ms with any other: the step times, the
-    4/2 ratios and their verdicts must come out of the two-launch difference exactly."""
+def test_wait_tables_every_strategy_and_the_shared_core_ratios(monkeypatch, tmp_path, capsys):
+    """No launch here: step_time() is replaced by steps of 10 ms on 2 ranks, 13 ms on 4 with
+    the default strategy and 20 ms with any other: the table, the 4/2 ratios and their verdicts
+    must come out exactly."""
     from mpipar import waiting
     from mpipar.bench import wait
 
     launched = []
 
-    def wall(n, command, steps, strategy=None):
+    def step_time(n, command, steps, strategy=None):
         launched.append((n, command[0], steps, strategy))
-        per_step = 0.010 if n == 2 else 0.013 if strategy in (None, "backoff") else 0.020
-        return 2.0 + per_step * steps
+        return 0.010 if n == 2 else 0.013 if strategy in (None, "backoff") else 0.020
 
-    monkeypatch.setattr(wait, "wall", wall)
+    monkeypatch.setattr(wait, "step_time", step_time)
     monkeypatch.setattr(waiting, "DEFAULT_OVERSUBSCRIBED", "backoff")
     wait.main(["--quick", "--out", str(tmp_path)])
     with open(tmp_path / "wait.csv") as f:
@@ -165,15 +164,15 @@ def test_wait_takes_a_step_as_the_difference_of_two_launches(monkeypatch, tmp_pa
     assert "main job (pipeline): 4 ranks / 2 ranks per step 1.30" in out and "NOT met" in out
     assert "dp allreduce: 4 ranks / 2 ranks per step 1.30 (1.30..1.30), target at most 1.3: met" \
         in out
-    assert {steps for *_, steps, _ in launched} == {3, 23}
+    assert {steps for *_, steps, _ in launched} == {10}  # --quick
     assert (tmp_path / "wait.png").stat().st_size > 0
 
 
-def test_wait_refuses_bad_step_counts(tmp_path):
+def test_wait_refuses_a_step_count_below_one(tmp_path):
     from mpipar.bench import wait
 
     with pytest.raises(SystemExit):
-        wait.main(["--steps", "5,5", "--out", str(tmp_path)])
+        wait.main(["--steps", "0", "--out", str(tmp_path)])
 
 
 def test_make_report_launches_the_headline_benchmarks_again(monkeypatch, tmp_path):

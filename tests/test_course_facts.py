@@ -144,7 +144,13 @@ def test_lesson_4_exercise_6_crossover_is_in_the_data():
     for column in ("predicted_crossover_hidden", "measured_crossover_hidden"):
         assert min(widths) < int(small[0][column]) < max(widths), column
     speedup = {int(r["hidden"]): float(r["speedup"]) for r in small}
-    assert speedup[64] < 1 < speedup[96]
+    below = max(h for h in speedup if h <= int(small[0]["measured_crossover_hidden"]))
+    above = min(h for h in speedup if h > below)
+    assert speedup[below] < 1 < speedup[above]
+    solution = flat((ROOT / "lessons" / "solutions" / "04-tensor-parallel.md").read_text())
+    assert f"is {speedup[below]:.3f} at h = {below} and {speedup[above]:.3f} at h = {above}" \
+        in solution
+    assert f"crossover is h = {small[0]['predicted_crossover_hidden']}," in solution
     text = flat(lesson("04"))
     assert "with the small step, b*s = 1 x 16 tokens" in text
 
@@ -159,11 +165,11 @@ def test_lesson_5_says_the_pipeline_gpt_has_4_blocks():
 
 
 # ----------------------------------------------------------------------------- lesson 6
-def test_lesson_6_tensor_parallelism_beats_data_parallelism_on_2_ranks():
+def test_lesson_6_quotes_every_scheme_s_2_rank_speedup_from_the_csv():
     two = {r["scheme"]: float(r["speedup"]) for r in rows("scaling.csv") if r["ranks"] == "2"}
     tp = two["tensor parallel (block, h=1024)"]
     dp = {k: v for k, v in two.items() if k.startswith("data parallel")}
-    assert len(dp) == 3 and tp > max(dp.values()), two
+    assert len(dp) == 3, two
     text = flat(lesson("06"))
     assert f"reaches {tp:.2f}x" in text
     names = {"master": "master", "allreduce": "allreduce", "allreduce+overlap": "overlap"}

@@ -51,3 +51,14 @@ def test_every_headline_reads_the_committed_plots():
 
     missing = [h.key for h in headlines.HEADLINES if h.extract(PLOTS) is None]
     assert not missing, missing
+
+
+def test_the_benchmarks_run_once_are_read_afresh(tmp_path):
+    """bench wait runs on its own: its figures replace the report's older ones, as launch 1."""
+    write(tmp_path, "wait.csv", [dict(scheme="main job (pipeline): 4 / 2 ranks", ratio=1.05),
+                                 dict(scheme="dp allreduce: 4 / 2 ranks", ratio=1.4)])
+    old = [dict(key="main_job", launch=1, value=2.0), dict(key="comm_8", launch=2, value=2.2)]
+    rows = {r["key"]: r["value"] for r in headlines.with_once(old, tmp_path)}
+    assert rows == {"comm_8": 2.2, "main_job": 1.05, "dp4_vs_2_small": 1.4}
+    verdicts = {h.key: v for h, *_, v in headlines.summary(headlines.with_once(old, tmp_path))}
+    assert verdicts["main_job"] == "met" and verdicts["dp4_vs_2_small"] == "not met"

@@ -3,13 +3,12 @@
 
     python -m mpipar.bench wait            # wait.csv and wait.png in --out
 
-Each scheme's own command line (its default model, ``--quiet``) runs on 4 ranks once per
-strategy, the strategies interleaved round after round, so that a slow spell of the machine
-hits each alike. A step's time comes from two launches of the same command, ``--steps`` short
-and long: (wall(long) - wall(short)) / (long - short), so the launch itself (interpreter,
-imports, MPI start-up, building the model) cancels out. Each figure is the median over the
-rounds, with its range; the default strategy when ranks outnumber cores
-(``waiting.DEFAULT_OVERSUBSCRIBED``) is marked.
+Each scheme's trainer, built from its own command line (its default model) as the runner
+builds it, runs on 4 ranks once per strategy, the strategies interleaved round after round, so
+that a slow spell of the machine hits each alike. In each launch, 3 warm-up steps, then
+``--steps`` steps timed between barriers: the slowest rank's seconds per step (the launch
+itself does not count). Each figure is the median over the rounds, with its range; the
+default strategy when ranks outnumber cores (``waiting.DEFAULT_OVERSUBSCRIBED``) is marked.
 
 Two commands are also timed the same way on 4 ranks and on 2, with the default strategy: the
 main job (``mpirun -n N python -m mpipar.pipeline``, the README's demo; 4 ranks / 2 ranks at
@@ -17,19 +16,18 @@ most 1.1) and data parallelism with its default MLP and global batch (at most 1.
 machine 4 ranks cannot be faster than 2; the targets ask that sharing the cores cost little.
 """
 
+import argparse
 import os
 import statistics
-import subprocess
-import sys
 import time
 
 from mpipar import waiting
 from mpipar.bench.common import (
-    ONE_THREAD,
     bench_parser,
+    emit,
     environment,
-    mpirun_path,
     pyplot,
+    run_ranks,
     save_figure,
     write_csv,
     wrote,
@@ -49,27 +47,50 @@ PAIRS = {"main job (pipeline)": SCHEMES["pipeline"], "dp allreduce": SCHEMES["dp
 TARGETS = {"main job (pipeline)": 1.1, "dp allreduce": 1.3}
 
 
-def wall(n, command, steps, strategy=None):
-    """Seconds of one launch of ``mpirun -n n python -m COMMAND --steps steps``."""
-    module, *flags = command
-    env = dict(os.environ, **ONE_THREAD)
-    env.pop("MPIPAR_WAIT", None)
-    if strategy:
-        env["MPIPAR_WAIT"] = strategy
-    cmd = [mpirun_path(), "-n", str(n), sys.executable, "-m", module, *flags, "--quiet",
-           "--steps", str(steps)]
+def worker(scheme, steps, warmup, argv):
+    """On every rank: build ``scheme``'s trainer from its command line as the runner does, run
+    ``warmup`` steps, then time ``steps`` steps between barriers; rank 0 emits the slowest
+    rank's seconds per step."""
+    from mpi4py import MPI
+
+    from mpipar import serial, train
+    from mpipar.grid import Grid
+    from mpipar.hybrid import make_grid
+
+    a = train.parse_args(scheme, [*argv, "--quiet", "--steps", str(warmup + steps)])
+    task = serial.Task(a)
+    grid = make_grid(a.dp, a.tp, a.pp) if scheme == "hybrid" else Grid(a.dp, a.tp, a.pp)
+    trainer = train.trainer_class(scheme, a)(task, grid, a)
+    for step in range(warmup):
+        trainer.step(step)
+    world = MPI.COMM_WORLD
+    world.Barrier()
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}")
-    return time.perf_counter() - t0
+    for step in range(warmup, warmup + steps):
+        trainer.step(step)
+    elapsed = world.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+    if world.rank == 0:
+        emit({"seconds_per_step": elapsed / steps})
 
 
-def step_time(n, command, short, long, strategy=None):
-    return (wall(n, command, long, strategy) - wall(n, command, short, strategy)) / (long - short)
+def step_time(n, command, steps, strategy=None):
+    """Seconds per step of ``command`` on ``n`` ranks with ``MPIPAR_WAIT=strategy`` (None: the
+    default), timed inside the job: the launch itself does not count."""
+    module, *flags = command
+    saved = os.environ.pop("MPIPAR_WAIT", None)
+    if strategy:
+        os.environ["MPIPAR_WAIT"] = strategy
+    try:
+        (res,) = run_ranks(n, "mpipar.bench.wait", ["--worker", module.split(".")[-1],
+                                                    "--steps", steps, "--", *flags])
+    finally:
+        os.environ.pop("MPIPAR_WAIT", None)
+        if saved is not None:
+            os.environ["MPIPAR_WAIT"] = saved
+    return res["seconds_per_step"]
 
 
-def measure(schemes, strategies, rounds, short, long):
+def measure(schemes, strategies, rounds, steps):
     """{(scheme, strategy): [seconds per step, one per round]}, and for each command of
     ``PAIRS`` [(2-rank step, 4-rank step), one per round] with the default strategy."""
     times = {(s, w): [] for s in schemes for w in strategies}
@@ -77,11 +98,9 @@ def measure(schemes, strategies, rounds, short, long):
     for _ in range(rounds):
         for scheme in schemes:
             for strategy in strategies:
-                times[scheme, strategy].append(step_time(4, SCHEMES[scheme], short, long,
-                                                         strategy))
+                times[scheme, strategy].append(step_time(4, SCHEMES[scheme], steps, strategy))
         for name, command in PAIRS.items():
-            pairs[name].append((step_time(2, command, short, long),
-                                step_time(4, command, short, long)))
+            pairs[name].append((step_time(2, command, steps), step_time(4, command, steps)))
     return times, pairs
 
 
@@ -109,17 +128,20 @@ def plot(rows, path):
 
 
 def main(argv=None):
-    ap = bench_parser("wait", "two schemes, two rounds", worker=False)
+    ap = bench_parser("wait", "two schemes, two rounds, fewer steps", worker=False)
     ap.sized("--rounds", 3, 2, type=int, help="rounds over every scheme and strategy")
-    ap.add_argument("--steps", default="3,23", help="short and long step counts (default 3,23)")
+    ap.sized("--steps", 20, 10, type=int, help="timed steps per launch, after 3 warm-up steps")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("flags", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    short, long = map(int, args.steps.split(","))
-    if not 0 < short < long:
-        ap.error("--steps wants two step counts, the first smaller: e.g. 3,23")
+    if args.steps < 1:
+        ap.error("--steps must be at least 1")
+    if args.worker:
+        return worker(args.worker, args.steps, 3, args.flags)
     schemes = QUICK_SCHEMES if args.quick else tuple(SCHEMES)
     strategies = tuple(waiting.STRATEGIES)
     load = round(os.getloadavg()[0], 2)
-    times, pairs = measure(schemes, strategies, args.rounds, short, long)
+    times, pairs = measure(schemes, strategies, args.rounds, args.steps)
     rows = [dict(environment(ranks=4), bench="wait", scheme=s, strategy=w,
                  default=w == waiting.DEFAULT_OVERSUBSCRIBED,
                  step_ms=round(statistics.median(t) * 1e3, 3), min_ms=round(min(t) * 1e3, 3),
