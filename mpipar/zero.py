@@ -143,6 +143,7 @@ class FlatShard:
         self.flat_grad = self.padded()
         for p, view in zip(self.params, self._views(self.flat_grad)):
             p.grad = view
+            p.zero_grad()  # known zero: the first micro-batch writes its gradient, no temporary
 
     def reduce_scatter_grads(self):
         """shard.grad += block r of the sum over the ranks of the full gradient, then free it."""
