@@ -29,14 +29,15 @@ from mpipar.bench.common import read_csv
 Headline = namedtuple("Headline", "key text bench target extract")
 
 
-def _rows(folder, name):
+def csv_rows(folder, name):
+    """The rows of the CSV ``name`` in ``folder``, or none if it is not there."""
     path = folder / name
     return read_csv(name, folder) if path.exists() else []
 
 
 def _value(folder, name, column, **where):
     """``column`` of the one row of ``name`` whose fields equal ``where``, else None."""
-    for row in _rows(folder, name):
+    for row in csv_rows(folder, name):
         if all(str(row.get(k)) == str(v) for k, v in where.items()) and row.get(column):
             return float(row[column])
     return None
@@ -48,7 +49,7 @@ def _dp_speedup(mode, p):
 
 def _bubble_gap(p):
     def gap(folder):
-        rows = [r for r in _rows(folder, "pp.csv") if r["stage"] == "0" and
+        rows = [r for r in csv_rows(folder, "pp.csv") if r["stage"] == "0" and
                 int(r["ranks"]) == p and r["schedule"] in ("gpipe", "1f1b")]
         return max((abs(float(r["bubble_measured"]) - float(r["bubble_formula"]))
                     for r in rows), default=None)

@@ -4,11 +4,8 @@ bare calls, and what sharing 2 cores among 4 ranks costs. Every number is read f
 ``wait.csv`` (:mod:`mpipar.bench.wait`); a CSV that is missing leaves its paragraph out.
 """
 
-from mpipar.bench.common import PLOTS, read_csv
-
-
-def _rows(name, folder=PLOTS):
-    return read_csv(name, folder) if (folder / name).exists() else []
+from mpipar.bench.common import PLOTS
+from mpipar.headlines import csv_rows
 
 
 def _verdict(value, target):
@@ -16,7 +13,7 @@ def _verdict(value, target):
 
 
 def overhead_lines(folder=PLOTS):
-    rows = _rows("overhead.csv", folder)
+    rows = csv_rows(folder, "overhead.csv")
     if not rows:
         return []
     lines = ["![overhead](overhead.png)", "",
@@ -36,7 +33,7 @@ def overhead_lines(folder=PLOTS):
 
 
 def dp_lines(folder=PLOTS):
-    dp = _rows("dp.csv", folder)
+    dp = csv_rows(folder, "dp.csv")
     bare = [r for r in dp if r.get("vs_bare")]
     over = [r for r in dp if r.get("vs_2_ranks")]
     lines = []
@@ -55,7 +52,7 @@ def dp_lines(folder=PLOTS):
 
 
 def wait_lines(folder=PLOTS):
-    rows = _rows("wait.csv", folder)
+    rows = csv_rows(folder, "wait.csv")
     if not rows:
         return []
     cells = [r for r in rows if not r.get("ratio")]

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
+from mpipar.bench.common import mpirun_path
+
 ROOT = Path(__file__).resolve().parent.parent
 COPIED = ("mpipar", "tests", "lessons", "setup.cfg", "pyproject.toml", "Makefile", "README.md")
 TOLERANCE = 1e-10
@@ -193,10 +195,8 @@ def first_mismatch(got, want):
 def check_training(ex, copy, scratch):
     """None when the scheme equals the serial trainer, else why not."""
     shared = [*ex.model, "--dtype", "float64", "--quiet"]
-    mpirun = Path(sys.executable).parent / "mpirun"
-    mpirun = str(mpirun) if mpirun.exists() else shutil.which("mpirun") or "mpirun"
     saved = scratch / f"{ex.name}.npz"
-    proc = run([mpirun, "-n", str(ex.ranks), sys.executable, "-m", f"mpipar.{ex.scheme}",
+    proc = run([mpirun_path(), "-n", str(ex.ranks), sys.executable, "-m", f"mpipar.{ex.scheme}",
                 *ex.flags, *shared, "--save-params", str(saved)], copy)
     if proc.returncode != 0:
         return why(proc)

@@ -92,11 +92,13 @@ def mpirun_path():
     raise SystemExit("mpirun not found: run `make install` (the mpich wheel provides it)")
 
 
-def run_ranks(n, module, args=(), timeout=600):
+def run_ranks(n, module, args=(), timeout=600, env=None):
     """Run ``mpirun -n n python -m module args`` with one BLAS thread per rank and return the
-    JSON objects its rank 0 printed on lines starting with ``RESULT ``."""
+    JSON objects its rank 0 printed on lines starting with ``RESULT ``. ``env``: variables to
+    set for this launch (a value of None unsets the variable)."""
     cmd = [mpirun_path(), "-n", str(n), sys.executable, "-m", module, *map(str, args)]
-    env = dict(os.environ, **ONE_THREAD)
+    env = {k: v for k, v in dict(os.environ, **ONE_THREAD, **(env or {})).items()
+           if v is not None}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}")

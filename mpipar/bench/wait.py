@@ -77,16 +77,9 @@ def step_time(n, command, steps, strategy=None):
     """Seconds per step of ``command`` on ``n`` ranks with ``MPIPAR_WAIT=strategy`` (None: the
     default), timed inside the job: the launch itself does not count."""
     module, *flags = command
-    saved = os.environ.pop("MPIPAR_WAIT", None)
-    if strategy:
-        os.environ["MPIPAR_WAIT"] = strategy
-    try:
-        (res,) = run_ranks(n, "mpipar.bench.wait", ["--worker", module.split(".")[-1],
-                                                    "--steps", steps, "--", *flags])
-    finally:
-        os.environ.pop("MPIPAR_WAIT", None)
-        if saved is not None:
-            os.environ["MPIPAR_WAIT"] = saved
+    (res,) = run_ranks(n, "mpipar.bench.wait", ["--worker", module.split(".")[-1], "--steps",
+                                                steps, "--", *flags],
+                       env={"MPIPAR_WAIT": strategy})
     return res["seconds_per_step"]
 
 
