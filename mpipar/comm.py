@@ -420,9 +420,11 @@ def world():
 
 
 def log(*args):
-    """Print on world rank 0 only (every rank computes; one speaks)."""
+    """Print on world rank 0 only (every rank computes; one speaks), in one write: with an
+    unbuffered stdout (PYTHONUNBUFFERED=1) ``print`` writes the text and its newline apart,
+    and another rank's line forwarded by the launcher could land between them."""
     if MPI.COMM_WORLD.Get_rank() == 0:
-        print(*args, flush=True)
+        explain.say(" ".join(map(str, args)))
 
 
 def split_rows(n, p):

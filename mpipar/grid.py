@@ -20,6 +20,7 @@ import argparse
 from mpi4py import MPI
 
 from mpipar.comm import Comm, install_excepthook, refuse
+from mpipar.explain import say
 
 
 def layouts(n):
@@ -79,7 +80,7 @@ def main(argv=None):
     dp = args.dp if args.dp is not None else max(n // (args.tp * args.pp), 1)
     text = Grid(dp, args.tp, args.pp).describe()
     if text:
-        print(text, flush=True)
+        say(text)
 
 
 if __name__ == "__main__":

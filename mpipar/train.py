@@ -296,7 +296,7 @@ def train(trainer, a, desc, after_step=None, start=0, loss=None):
         if rank == 0:
             bar.set_postfix(loss=f"{loss:.4f}")
             if a.log_every and (step + 1) % a.log_every == 0:
-                bar.write(f"step {step + 1:5d}  loss {loss:.4f}")
+                bar.write(f"step {step + 1:5d}  loss {loss:.4f}\n", end="")  # one write
         if a.checkpoint_every and (step + 1) % a.checkpoint_every == 0:
             checkpoint.save(a.checkpoint, trainer, a, step + 1, loss)
             saved = step + 1
@@ -360,15 +360,15 @@ def main(scheme, argv=None):
         return
     before, after = lines
     for line in before:
-        print(line, flush=True)
-    print(final_line(task.evaluate(task.model_with(params).forward), loss), flush=True)
+        comm.log(line)
+    comm.log(final_line(task.evaluate(task.model_with(params).forward), loss))
     for line in after:
-        print(line, flush=True)
+        comm.log(line)
     bad = [name for name, value in params.items() if not np.isfinite(value).all()]
     if bad:  # the loss was finite, but a parameter is not: never save such a model
         comm.refuse(f"parameters {', '.join(bad[:3])} are not finite: nothing was saved", code=3)
     if a.save_params:
-        print(f"saved parameters to {save_params(a.save_params, params.items())}", flush=True)
+        comm.log(f"saved parameters to {save_params(a.save_params, params.items())}")
 
 
 if __name__ == "__main__":

@@ -74,6 +74,27 @@ def test_the_flight_recorder_keeps_the_last_16_calls_and_clears_the_wait():
     assert (name, op, detail, what) == ("self", "Allreduce", "all <-> all (1)", "step 19")
 
 
+def test_rank_0_lines_are_one_write_each(monkeypatch):
+    """With an unbuffered stdout, ``print`` writes a line and its newline apart, and the
+    launcher may put another rank's line between them (a lesson's output lost a line so)."""
+    from mpipar import comm as C
+    from mpipar import explain
+
+    writes = []
+
+    class Recorder:
+        def write(self, text):
+            writes.append(text)
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stdout", Recorder())
+    C.log("header", 3)
+    explain.step("DP Step 1")
+    assert writes == ["header 3\n", "[rank 0] DP Step 1\n"]
+
+
 def test_no_watchdog_without_a_positive_limit():
     """In a fresh process: the tests' own in-process runs may have started one here."""
     code = ("from mpipar import comm, failure\n"

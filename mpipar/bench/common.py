@@ -106,8 +106,10 @@ def run_ranks(n, module, args=(), timeout=600, env=None):
 
 
 def emit(obj):
-    """Print one result line for :func:`run_ranks` to collect."""
-    print("RESULT " + json.dumps(obj), flush=True)
+    """Print one result line for :func:`run_ranks` to collect, in one write (so that no
+    other rank's output lands between the line and its newline)."""
+    sys.stdout.write("RESULT " + json.dumps(obj) + "\n")
+    sys.stdout.flush()
 
 
 def pyplot():
