@@ -145,18 +145,15 @@ def scheme_flags(ap, scheme):
                        "micro-batches per replica and step (default: 4, or fewer if a replica "
                        "has fewer rows)")
         bucket_flags(g := ap.add_argument_group("gradient sum over the data-parallel group"))
-        g.add_argument("--zero", type=int, default=0, choices=range(4), help="1: ZeRO-1 over dp")
+        g.add_argument("--zero", type=int, default=0, choices=range(4),
+                       help="shard over dp (ZeRO): 1 the optimizer state, 2 also the gradients")
 
 
-PROGS = {"serial": ("python -m mpipar.serial", "Train the reference model on one process."),
-         "data_parallel": ("mpirun -n P python -m mpipar.data_parallel",
-                           "Train with P data-parallel replicas."),
-         "tensor_parallel": ("mpirun -n P python -m mpipar.tensor_parallel",
-                             "Train with every large matrix split over P ranks."),
-         "pipeline": ("mpirun -n P python -m mpipar.pipeline",
-                      "Train across P pipeline stages (one per rank)."),
-         "hybrid": ("mpirun -n N python -m mpipar.hybrid",
-                    "Train with data x tensor x pipeline parallelism on N = dp*tp*pp ranks.")}
+PROGS = {"serial": "Train the reference model on one process.",  # each scheme's --help line
+         "data_parallel": "Train with P data-parallel replicas.",
+         "tensor_parallel": "Train with every large matrix split over P ranks.",
+         "pipeline": "Train across P pipeline stages (one per rank).",
+         "hybrid": "Train with data x tensor x pipeline parallelism on N = dp*tp*pp ranks."}
 
 
 # ----------------------------------------------------------------------------- refusals
@@ -239,11 +236,13 @@ FLAG_RULES = [
     (DP + HY, lambda a: a.bucket_mb is not None and a.zero in (1, 3) or a.overlap and a.zero == 1,
      "--zero {a.zero} takes no --bucket-mb, and --zero 1 no --overlap: ZeRO-1 moves one flat "
      "buffer, ZeRO-3 one per layer (--overlap prefetches); buckets are ZeRO-2's: use --zero 2"),
-    (HY, lambda a: a.zero > 1, "--zero {a.zero} is not in the hybrid, whose dp groups shard the "
-     "optimizer state only (--zero 1); ZeRO-2 and -3 are data_parallel's"),
+    (HY, lambda a: a.zero == 3, "--zero 3 is not in the hybrid: it would gather a stage's "
+     "parameters for every micro-batch's forward and backward (use data_parallel, or --zero 2)"),
+    (HY, lambda a: a.zero == 2 and a.overlap and a.sequence_parallel, "--zero 2 --overlap takes "
+     "no --sequence-parallel: its tp sum of LayerNorm gradients must precede the reduce-scatter"),
     (HY, lambda a: a.zero and (a.clip_grad is not None or a.checkpoint or a.resume),
-     "--zero 1 in the hybrid takes no --clip-grad, --checkpoint or --resume: they read each "
-     "rank's whole optimizer, and ZeRO-1 keeps 1/D of it"),
+     "--zero {a.zero} in the hybrid takes no --clip-grad, --checkpoint or --resume: they read "
+     "each rank's whole optimizer, and ZeRO-{a.zero} keeps 1/D of it"),
     (DP, lambda a: a.overlap and a.sync != "allreduce",
      "--overlap needs the non-blocking Iallreduce of --sync allreduce (got --sync {a.sync})"),
     (DP, lambda a: a.bucket_mb is not None and (not 0 < a.bucket_mb < math.inf
@@ -295,8 +294,9 @@ MODEL_RULES = [
 def parse_args(scheme, argv=None, n_ranks=None):
     """The flags of ``scheme`` parsed, completed (:func:`complete`) and checked (FLAG_RULES),
     the same way on every rank; ``n_ranks`` is the job's size (COMM_WORLD's by default)."""
-    prog, description = PROGS[scheme]
-    ap = argparse.ArgumentParser(prog=prog, description=description)
+    launch = "" if scheme == "serial" else f"mpirun -n {'N' if scheme == 'hybrid' else 'P'} "
+    ap = argparse.ArgumentParser(prog=f"{launch}python -m mpipar.{scheme}",
+                                 description=PROGS[scheme])
     ap.error = lambda message: comm.refuse(f"{message} (see --help)")
     common_flags(ap, scheme)
     scheme_flags(ap, scheme)

@@ -5,6 +5,7 @@
     mpirun -n 4 python -m mpipar.hybrid --dp 2 --pp 2 --schedule gpipe --micro-batches 4
     mpirun -n 8 python -m mpipar.hybrid --dp 2 --tp 2 --pp 2 --print-grid
     mpirun -n 8 python -m mpipar.hybrid --dp 2 --tp 2 --pp 2 --zero 1 --optim adam
+    mpirun -n 4 python -m mpipar.hybrid --dp 2 --pp 2 --zero 2 --bucket-mb 0.01 --overlap
 
 N = D * T * P ranks form a grid (:class:`mpipar.grid.Grid`): the T ranks of a tensor-parallel
 group hold slices of the same layers, the P stages of a pipeline hold consecutive layers, and
@@ -33,11 +34,16 @@ each takes its communicator from the grid. The steps, each under an ``HY Step N`
    ``dp_comm``, once per step (:class:`mpipar.data_parallel.GradSync`: one Allreduce of a flat
    buffer, or buckets; with ``--overlap`` the buckets start during the last backward). With
    ``--zero 1`` (:class:`ZeroUpdate`, ZeRO stage 1 over each dp group) a Reduce_scatter instead:
-   each replica keeps 1/D of the sum.
+   each replica keeps 1/D of the sum. With ``--zero 2`` (:class:`Zero2Update`, ZeRO stage 2,
+   :mod:`mpipar.zero`'s pieces) the gradients are views into one padded flat buffer per
+   ``--bucket-mb`` bucket, made at the start of the step and summed into over its micro-batches;
+   each bucket is reduce-scattered (with ``--overlap``, started during the last micro-batch's
+   backward), each rank keeps its shard's gradient and the full buffers are freed.
 6. Each rank updates its own shards and replicated parameters
    (:class:`mpipar.tensor_parallel.LocalUpdate`): the replicas make the same update, nothing
    is sent. With ``--zero 1`` each rank updates its 1/D block (with 1/D of the optimizer
-   state) and the blocks are allgathered over dp_comm.
+   state) and the blocks are allgathered over dp_comm; with ``--zero 2`` its shard of each
+   bucket, the shards allgathered into the parameters' flat buffers, bucket by bucket.
 7. To evaluate or save, the model is gathered to world rank 0 under the serial names: the
    shards inside each stage of replica 0, then the stages along its pipeline.
 
@@ -51,11 +57,14 @@ rank's parameters, about |theta| w / (T P)):
 - pp (P > 1), per micro-batch and stage boundary: one activation forward and one gradient
   back, r*s*h*w each, plus an 80-byte header (every tp rank sends its own copy).
 - dp (D > 1): one Allreduce of n_own bytes (k with k buckets): 2(D-1)/D * n_own with a ring;
-  with --zero 1 one Reduce_scatter and one Allgather of n_own (padded to a multiple of D): the
-  same 2(D-1)/D * n_own on the wire.
+  with --zero 1 or 2, Psi = n_own padded to a multiple of D (per bucket for ZeRO-2):
+  Reduce_scatter Psi + Allgather Psi = 2 Psi, as counted by Comm.stats, of which 2(D-1)/D * Psi
+  crosses the wire, no more than the Allreduce. ZeRO-1 makes one call of each, ZeRO-2 one per
+  bucket; with --overlap a bucket's reduce-scatter is D-1 Isend and D-1 Irecv of one block.
 - ``--sequence-parallel`` (:mod:`mpipar.sequence_parallel`): each tp Allreduce of r*s*h*w
   becomes a reduce-scatter and an allgather of it (the same volume), plus one Allreduce per
-  step of the stage's LayerNorm (and position) gradients over tp_comm, after Step 5's sum; a
+  step of the stage's LayerNorm (and position) gradients over tp_comm, after Step 5's sum
+  (before it with --zero, while the gradients are whole; so --zero 2 takes no --overlap); a
   stage boundary then carries each tp rank's own rows, r*(s/T)*h*w, not a copy of all of them.
 
 Why that nesting (Narayanan et al. 2021, arXiv:2104.04473, Sec. 3): tensor parallelism talks
@@ -65,10 +74,12 @@ parallelism talks once per step and can hide behind the backward, so it is outer
 
 Left out: the scatter/gather optimisation between stages without sequence parallelism
 (Megatron sends 1/T of an activation and allgathers it on arrival; here every tp rank sends all
-of it), interleaved stages, ZeRO stages 2 and 3 over the data-parallel group (ZeRO-2's full
-gradients accumulate over every micro-batch, so they could be freed between steps only;
-ZeRO-3 would gather a stage's parameters for each micro-batch's forward and backward, or hold
-them through the schedule), and a hand-written ring for the dp sum.
+of it), interleaved stages, ZeRO stage 3 over the data-parallel group (it would gather a
+stage's parameters for each micro-batch's forward and backward, or hold them through the
+schedule, whose micro-batches interleave forwards and backwards), and a hand-written ring for
+the dp sum. ZeRO-2 frees the full gradients between steps only: they accumulate over every
+micro-batch of a step, so they live through the whole schedule, and a step's peak holds them
+as it would without ZeRO.
 """
 
 from mpipar import backend as B
@@ -77,6 +88,7 @@ from mpipar import data_parallel as DP
 from mpipar import pipeline as PP
 from mpipar import sequence_parallel as SP
 from mpipar import tensor_parallel as TP
+from mpipar import zero as Z
 from mpipar.grid import Grid
 from mpipar.schedules import SCHEDULES, Backward
 from mpipar.trace import TRACE
@@ -104,7 +116,8 @@ def make_grid(dp, tp, pp, mpi_comm=None):
 class SyncingStage(nn.Sequential):
     """A stage whose backward of the step's LAST micro-batch runs layer by layer and tells
     the gradient sync which parameters are final (what DDP's hooks do), so ``--overlap`` can
-    launch a bucket's Iallreduce while the layers before it still run backward."""
+    launch a bucket's Iallreduce (ZeRO-2: its posted reduce-scatter) while the layers before
+    it still run backward."""
 
     def __init__(self, stage, sync, last_micro):
         super().__init__(stage.layers)
@@ -142,9 +155,9 @@ class Hybrid:
         self.lo = sum(self.rows[:grid.dp_rank])
         self.micro_rows = comm.split_rows(self.rows[grid.dp_rank], m)
         make_opt = lambda params: serial.make_optimizer(args, params)  # noqa: E731
-        self.update = ZeroUpdate(stage, self.dp_comm, make_opt, self.tp_comm) if args.zero \
-            else SyncedUpdate(stage, self.dp_comm, make_opt, args.bucket_mb, args.overlap,
-                              tp_comm=self.tp_comm)
+        self.update = ZeroUpdate(stage, self.dp_comm, make_opt, self.tp_comm) if args.zero == 1 \
+            else (Zero2Update if args.zero == 2 else SyncedUpdate)(
+                stage, self.dp_comm, make_opt, args.bucket_mb, args.overlap, tp_comm=self.tp_comm)
         self.module = stage
         if args.overlap and self.update.sync is not None:
             last = [ins.micro for ins in self.instructions if isinstance(ins, Backward)][-1]
@@ -162,6 +175,9 @@ class Hybrid:
         sum it over the replicas, then each pipeline shares it)."""
         a, task, grid = self.args, self.task, self.grid
         m = a.micro_batches
+        fresh = isinstance(self.update, Zero2Update)  # ZeRO-2: full gradients for this step only
+        if fresh:
+            self.update.new_grads()
 
         # -- HY Step 3: each replica takes its rows of the global batch, as micro-batches --
         n_rows = self.rows[grid.dp_rank]
@@ -179,7 +195,7 @@ class Hybrid:
             self.module, self.instructions, self.pp_comm, self.micro_rows,
             inputs=PP.micro_batches(x, m) if self.is_first_stage else None,
             targets=PP.micro_batches(y, m) if self.is_last_stage else None,
-            loss_fn=self.loss_fn, normalizer=normalizer, optimizer=self.update,
+            loss_fn=self.loss_fn, normalizer=normalizer, optimizer=self.update, zero_grad=not fresh,
             measure_stash=not self.peak_stash_bytes)  # the first step's is every step's
         self.peak_stash_bytes = max(self.peak_stash_bytes, result.peak_stash_bytes)
         loss = None
@@ -188,10 +204,12 @@ class Hybrid:
         return PP.share_loss(self.pp_comm, loss)
 
     def memory(self):
-        """Bytes this rank holds: parameters, gradients, optimizer state, peak activations."""
+        """Bytes this rank holds: parameters, gradients, optimizer state, peak activations.
+        Between ZeRO-2 steps the gradients are the shards' only (the full ones are freed)."""
         params = self.stage.parameters()
+        shards = [b.shard for b in self.update.sync.buckets] if self.args.zero == 2 else []
         return {"param_bytes": sum(p.data.nbytes for p in params),
-                "grad_bytes": sum(p.grad.nbytes for p in params),
+                "grad_bytes": sum(p.grad.nbytes for p in params + shards if p.grad is not None),
                 "optimizer_bytes": self.update.opt.state_bytes(),
                 "activation_bytes": self.peak_stash_bytes}
 
@@ -208,7 +226,7 @@ class SyncedUpdate:
     def __init__(self, stage, dp_comm, make_opt, bucket_mb=None, overlap=False, tp_comm=None):
         self.dp_comm, self.tp_comm, self.params = dp_comm, tp_comm, stage.parameters()
         self.local = TP.LocalUpdate(stage, make_opt)
-        self.opt, self.sync, self.zero = self.local.opt, None, None
+        self.opt, self.sync, self.zero, self.sharded = self.local.opt, None, None, []
         if dp_comm.size > 1:
             self.sync = DP.GradSync(dp_comm, stage.parameters(), "allreduce", bucket_mb, overlap)
 
@@ -240,7 +258,7 @@ class ZeroUpdate:
     def __init__(self, stage, dp_comm, make_opt, tp_comm=None):
         self.dp_comm, self.tp_comm, self.params = dp_comm, tp_comm, stage.parameters()
         self.zero, self.sync = DP.ZeroOptimizer(dp_comm, self.params, make_opt), None
-        self.opt = self.zero.opt
+        self.opt, self.sharded = self.zero.opt, [self.zero]  # sharded: each holds a ``shard``
 
     def step(self):
         if self.tp_comm is not None:  # --sequence-parallel: while the gradients are whole
@@ -259,6 +277,58 @@ class ZeroUpdate:
         self.zero.update()
         with TRACE.span("sync", "HY Step 6"):
             self.zero.allgather_params()
+
+
+class Zero2Update:
+    """``--zero 2``: ZeRO stage 2 over ``dp_comm``, from :mod:`mpipar.zero`'s pieces. The
+    stage's parameters are views into one padded flat buffer per bucket, kept all run
+    (:meth:`mpipar.zero.FlatShard.keep_whole`); its full gradients exist during a step only, as
+    views into another (:meth:`new_grads`, at the start of :meth:`Hybrid.step`), and add up
+    over the step's micro-batches. Step 5 reduce-scatters each bucket over the D replicas
+    (:class:`mpipar.zero.ShardedGradSync`: MPI's Reduce_scatter after the last backward, or with
+    ``--overlap`` a posted one started during the last micro-batch's backward) and frees it, so
+    a rank keeps its shard's gradient only; Step 6 updates the shards (one optimizer, 1/D of the
+    state) and allgathers them into the kept parameter buffers."""
+
+    def __init__(self, stage, dp_comm, make_opt, bucket_mb=None, overlap=False, tp_comm=None):
+        self.dp_comm, self.tp_comm, self.params = dp_comm, tp_comm, stage.parameters()
+        self.sync, self.zero = Z.ShardedGradSync(dp_comm, self.params, bucket_mb, overlap), None
+        self.sharded = self.sync.buckets  # one FlatShard per bucket
+        for b in self.sharded:
+            b.keep_whole()
+            b.free_grads()  # the full gradients exist during a step only
+        self.opt = make_opt([b.shard for b in self.sharded])
+
+    def new_grads(self):
+        """Before a step: zero each shard's gradient and make zero full gradients, views into
+        one fresh padded buffer per bucket, which the backward of every micro-batch adds to."""
+        for b in self.sharded:
+            b.shard.grad[...] = 0
+            b.new_grads()
+
+    def step(self):
+        if self.tp_comm is not None:  # --sequence-parallel (never with --overlap): still whole
+            SP.allreduce_sequence_grads(self.params, self.tp_comm)
+
+        # HY Step 5, ZeRO-2: reduce-scatter each bucket's gradients over dp_comm, free them
+        n_bytes = sum(b.flat_grad.nbytes for b in self.sharded)
+        kept = sum(b.shard_size for b in self.sharded)
+        how = "wait for the Reduce_scatters posted during the last backward (Irecv, Isend)" \
+            if self.sync.overlap else "Reduce_scatter(SUM)"
+        comm.narrate(f"HY Step 5: {how} of this rank's {n_bytes:,} gradient bytes (padded) in "
+                     f"{len(self.sharded)} bucket(s) over its {self.dp_comm.size} replicas: each "
+                     f"keeps {kept:,} values of the serial gradient and frees the full gradients")
+        with TRACE.span("sync", "HY Step 5"):
+            self.sync.finish()
+
+        # HY Step 6, ZeRO-2: each rank updates its shards; the shards are allgathered
+        comm.narrate(f"HY Step 6: every rank updates its {kept:,} values with 1/"
+                     f"{self.dp_comm.size} of the optimizer state, then Allgather of the updated "
+                     f"shards over the dp group, {len(self.sharded)} bucket(s)")
+        self.opt.step()
+        with TRACE.span("sync", "HY Step 6"):
+            for b in self.sharded:
+                b.gather_params("updated")
 
 
 # -- HY Step 7: gather the whole model to world rank 0: shards per stage, then the stages --

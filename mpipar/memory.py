@@ -59,9 +59,12 @@ HOLDINGS = {
     "TensorParallel": lambda t: (t.model.parameters() + (getattr(t.updater, "master", None) or []),
                                  getattr(t.updater, "opt", None), []),
     "Pipeline": lambda t: (t.opt.params, t.opt, []),
-    "Hybrid": lambda t: (t.stage.parameters() + ([t.update.zero.shard] if t.update.zero else []),
-                         t.update.opt,
-                         [b.flat for b in t.update.sync.buckets] if t.update.sync else []),
+    # hybrid: ZeRO-1's one flat shard, ZeRO-2's one per bucket (FlatShard: its flat parameters,
+    # kept, and its full flat gradient, during a step only), or GradSync's gradient buckets
+    "Hybrid": lambda t: (t.stage.parameters() + [z.shard for z in t.update.sharded], t.update.opt,
+                         [x for b in t.update.sync.buckets
+                          for x in (b.flat, getattr(b, "flat_grad", None))] if t.update.sync
+                         else []),
 }
 
 

@@ -161,9 +161,10 @@ class PipelineReport(Report):
 class HybridReport(Report):
     def header(self):
         a, grid, trainer = self.a, self.grid, self.trainer
-        sync = "" if a.dp == 1 else ", dp ZeRO-1 (Reduce_scatter, Allgather)" if a.zero else (
-            f", dp gradient sum in {len(trainer.update.sync.buckets)} bucket(s)"
-            + (" overlapped" if a.overlap else ""))
+        buckets = trainer.update.sync and len(trainer.update.sync.buckets)
+        sync = "" if a.dp == 1 else ", dp ZeRO-1 (Reduce_scatter, Allgather)" if a.zero == 1 else (
+            f", dp ZeRO-2 (Reduce_scatter, Allgather) in {buckets} bucket(s)" if a.zero else
+            f", dp gradient sum in {buckets} bucket(s)") + (" overlapped" if a.overlap else "")
         head = (f"hybrid: {a.model} with {self.n_params:,} parameters on {grid.world.size} "
                 f"ranks = dp {a.dp} x tp {a.tp} x pp {a.pp}, schedule {a.schedule}, "
                 f"{a.micro_batches} micro-batch(es) per replica{sync}; {self.training()} "

@@ -46,21 +46,27 @@ def test_command_line_matches_serial_with_synchronous_sends(mpirun, tmp_path, ca
     assert "[rank 2, pp 1] Send" in out and "[rank 2, pp 1] Isend posted" in out
 
 
-def test_zero_1_command_line_matches_serial(mpirun, tmp_path, capsys):
-    """--zero 1 over the dp groups of dp 2 x pp 2: the runner reports it, trains as the serial
-    trainer, and each rank keeps Adam's state for half its stage (the --memory table)."""
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_command_line_matches_serial(mpirun, tmp_path, capsys, zero):
+    """--zero 1 and 2 over the dp groups of dp 2 x pp 2 (ZeRO-2 in overlapped buckets): the
+    runner reports it, trains as the serial trainer, and each rank keeps Adam's state for half
+    its stage, and with ZeRO-2 half its gradients between steps (the --memory table)."""
     saved = tmp_path / "hybrid_zero.npz"
-    out = mpirun(4, ["-m", "mpipar.hybrid", "--dp", "2", "--pp", "2", "--zero", "1", *TINY_GPT,
-                     "--save-params", saved, "--memory"], timeout=90).stdout
+    buckets = ["--bucket-mb", "0.002", "--overlap"] if zero == 2 else []
+    out = mpirun(4, ["-m", "mpipar.hybrid", "--dp", "2", "--pp", "2", "--zero", str(zero),
+                     *buckets, *TINY_GPT, "--save-params", saved, "--memory"], timeout=90).stdout
     assert_matches_serial(out, TINY_GPT, saved, tmp_path, capsys)
-    assert "dp ZeRO-1 (Reduce_scatter, Allgather)" in out, out
+    assert f"dp ZeRO-{zero} (Reduce_scatter, Allgather)" in out, out
+    if zero == 2:
+        assert re.search(r"Allgather\) in [2-9]\d* bucket\(s\) overlapped;", out), out
     # rank, where (4 words), parameters, gradients, optimizer: Adam's two moments of 1/2 of the
-    # stage take as many bytes as its (padded) parameters, not twice as many
+    # stage take as many bytes as its (padded) parameters, not twice as many; ZeRO-2's gradient
+    # is 1/2 of them (ZeRO-1 keeps the whole gradient)
     rows = [line.split() for line in out.splitlines() if re.match(r"\s+\d  dp \d pp \d", line)]
     assert len(rows) == 4, out
     for row in rows:
         params, grads, optimizer = (int(v.replace(",", "")) for v in row[5:8])
-        assert params == grads == optimizer, row
+        assert params == optimizer == (grads if zero == 1 else 2 * grads), row
 
 
 def test_print_grid_follows_the_layout_formula(mpirun):
@@ -103,6 +109,6 @@ def test_built_from_the_three_schemes():
     source = (ROOT / "mpipar" / "hybrid.py").read_text()
     for name in ("tp_models.build_tp_model", "tp_models.tp_loss", "TP.LocalUpdate",
                  "TP.gather_full_params", "plan.plan_stages", "PP.build_stage",
-                 "PP.run_pipeline", "PP.gather_params", "DP.GradSync"):
+                 "PP.run_pipeline", "PP.gather_params", "DP.GradSync", "Z.ShardedGradSync"):
         assert name in source, name
     assert not re.search(r"\.(Allreduce|Iallreduce|Send|Isend|Recv|Bcast)\(", source)

@@ -13,9 +13,12 @@ from COMM_WORLD in this one launch; checked on every rank:
 - the model gathered to world rank 0 is the whole serial model under the serial names, and
   the comparison would catch a one-element slip.
 Also a GPT with buckets and overlap, an MLP whose stage boundary cuts a column/row pair
-(the activation between the stages is split over the tp ranks), and ZeRO-1 over the dp groups
+(the activation between the stages is split over the tp ranks), ZeRO-1 over the dp groups
 (--zero 1: one Reduce_scatter and one Allgather of the padded flat buffer after the last
-backward, each rank's optimizer state 1/D of its piece's).
+backward, each rank's optimizer state 1/D of its piece's), also with --sequence-parallel, and
+ZeRO-2 (--zero 2: per bucket, one Reduce_scatter, or with --overlap D-1 Isend and Irecv of one
+block started during the last backward, and one Allgather: Reduce_scatter Psi + Allgather Psi;
+between steps a rank holds its shards' gradients only, no full gradient).
 """
 
 import hashlib
@@ -27,6 +30,7 @@ from reference import make_task, serial_run
 from mpipar import backend as B
 from mpipar import comm as C
 from mpipar import hybrid as H
+from mpipar import memory, serial
 from mpipar import tensor_parallel as TP
 from mpipar.cli import parse_args
 from mpipar.trace import TRACE
@@ -42,9 +46,14 @@ LAYOUTS = {4: [(2, 1, 2), (1, 2, 2), (2, 2, 1)], 8: [(2, 2, 2)]}[N]
 EXTRA = {  # (layout, schedule, model flags, extra flags)
     4: [((1, 2, 2), "gpipe", MLP, []), ((2, 1, 2), "1f1b", GPT, ["--bucket-mb", "0.001",
                                                                   "--overlap"]),
-        ((2, 1, 2), "1f1b", GPT, ["--zero", "1"]), ((2, 2, 1), "gpipe", MLP, ["--zero", "1"])],
+        ((2, 1, 2), "1f1b", GPT, ["--zero", "1"]), ((2, 2, 1), "gpipe", MLP, ["--zero", "1"]),
+        ((2, 2, 1), "1f1b", GPT, ["--zero", "1", "--sequence-parallel"]),
+        ((2, 1, 2), "1f1b", GPT, ["--zero", "2", "--optim", "adam"]),
+        ((2, 2, 1), "gpipe", MLP, ["--zero", "2", "--bucket-mb", "0.002", "--overlap"]),
+        ((2, 2, 1), "gpipe", GPT, ["--zero", "2", "--bucket-mb", "0.002", "--sequence-parallel"])],
     8: [((2, 2, 2), "1f1b", GPT, ["--bucket-mb", "0.001", "--overlap"]),
-        ((2, 2, 2), "gpipe", GPT, ["--zero", "1"])],
+        ((2, 2, 2), "gpipe", GPT, ["--zero", "1"]),
+        ((2, 2, 2), "1f1b", GPT, ["--zero", "2", "--bucket-mb", "0.001", "--overlap"])],
 }[N]
 TASKS, REFS = {}, {}
 
@@ -102,6 +111,9 @@ def check_sync(trainer, name):
     want = sum(p.data.nbytes for p in params)
     last_backward = max(e[1] for e in TRACE.events if e[2] == "backward")
     dp_calls = [e for e in TRACE.events if e[2] == "comm" and e[4].get("comm") == "dp"]
+    if trainer.args.zero == 2:
+        check_zero_2(trainer, name, want, last_backward, dp_calls)
+        return
     if trainer.args.zero:  # one Reduce_scatter and one Allgather of the padded flat buffer
         zero, d = trainer.update.zero, trainer.grid.dp_size
         assert set(stats) == {"Reduce_scatter", "Allgather"}, (name, set(stats))
@@ -122,6 +134,34 @@ def check_sync(trainer, name):
         assert all(e[0] >= last_backward for e in dp_calls), f"{name}: dp sync before backward"
 
 
+def check_zero_2(trainer, name, want, last_backward, dp_calls):
+    """ZeRO-2's step over dp_comm, per bucket: one Reduce_scatter (or, with --overlap, D-1
+    Isend and Irecv of one block, the first started before the backward ends) and one Allgather:
+    Reduce_scatter Psi + Allgather Psi, Psi the padded flat buffers. After it this rank holds
+    its shards' gradients and no full one."""
+    stats, buckets, d = trainer.dp_comm.stats, trainer.update.sharded, trainer.grid.dp_size
+    sizes = [d * b.shard_size * W for b in buckets]  # each flat buffer, padded, in bytes
+    psi, ops = sum(sizes), set(stats)
+    assert sum(b.n for b in buckets) * W == want, (name, "a parameter is in no bucket")
+    assert all(0 <= size - b.n * W < d * W for size, b in zip(sizes, buckets)), (name, sizes)
+    assert stats["Allgather"]["calls"] == len(buckets), (name, dict(stats["Allgather"]))
+    assert stats["Allgather"]["sent"] + stats["Allgather"]["recv"] == psi, name
+    if trainer.args.overlap:
+        assert ops == {"Send", "Recv", "Allgather"} and len(buckets) > 1, (name, ops)
+        assert stats["Send"]["messages"] == (d - 1) * len(buckets), name
+        assert stats["Send"]["sent"] == stats["Recv"]["recv"] == (d - 1) * psi // d, name
+        log = trainer.update.sync.launch_log  # gradients final as each bucket launched
+        assert 0 < log[0] < len(trainer.stage.parameters()), (name, log)
+    else:
+        assert ops == {"Reduce_scatter", "Allgather"}, (name, ops)
+        assert stats["Reduce_scatter"]["calls"] == len(buckets), name
+        assert stats["Reduce_scatter"]["sent"] == psi, (name, stats["Reduce_scatter"]["sent"])
+        assert all(e[0] >= last_backward for e in dp_calls), f"{name}: dp sync before backward"
+    held = memory.count(memory.arrays_of(trainer))["grads"]  # every gradient it references
+    assert held == sum(b.shard_size for b in buckets) * W, (name, held)
+    assert all(p.grad is None for p in trainer.stage.parameters()), name
+
+
 def check(layout, schedule, flags, extra=()):
     d, t, p = layout
     name = f"{flags[1]} dp={d} tp={t} pp={p} {schedule} {' '.join(extra)}"
@@ -130,15 +170,19 @@ def check(layout, schedule, flags, extra=()):
     args = parse_args("hybrid", flags + ["--dtype", "float64", "--dp", str(d), "--tp", str(t),
                                          "--pp", str(p), "--schedule", schedule,
                                          "--micro-batches", "2", *extra], N)
+    if args.sequence_parallel:  # the task's flags choose the tp model: the hybrid's, here
+        task = serial.Task(args, task.data)
     grid = H.make_grid(d, t, p)
     trainer = H.Hybrid(task, grid, args)
+    marked = any(getattr(q, "sequence_parallel", False) for q in trainer.stage.parameters())
+    assert marked == args.sequence_parallel, (name, "the model is not the one the flags ask for")
     for step in range(STEPS):
         for group in (grid.dp_comm, grid.tp_comm, grid.pp_comm):
             group.reset_stats()
         TRACE.clear()
         loss = trainer.step(step)
         check_sync(trainer, name)
-        if task.kind == "gpt":
+        if task.kind == "gpt" and not args.sequence_parallel:  # sp_checks counts SP's bytes
             check_traffic(trainer, name)
         if RANK == 0:
             assert abs(loss - ref_losses[step]) <= 1e-12 * abs(ref_losses[step]), \
@@ -152,10 +196,11 @@ def check(layout, schedule, flags, extra=()):
     mine = digest(trainer.stage.parameters())
     assert set(grid.dp_comm.allgather_obj(mine)) == {mine}, f"{name}: dp replicas differ"
     if args.zero:  # each rank's optimizer state: 1/D of its piece's, plus the padding
-        zero, n = trainer.update.zero, sum(q.size for q in trainer.stage.parameters())
-        kinds = len(trainer.update.opt.new_state(zero.shard))  # SGD's momentum, Adam's m, v
-        assert trainer.update.opt.state_bytes() == kinds * W * zero.shard_size > 0, name
-        assert 0 <= zero.shard_size * d - n < d, (name, zero.shard_size, n)
+        sharded, n = trainer.update.sharded, sum(q.size for q in trainer.stage.parameters())
+        kept = sum(z.shard_size for z in sharded)  # ZeRO-1: one shard, ZeRO-2: one per bucket
+        kinds = len(trainer.update.opt.new_state(sharded[0].shard))  # SGD's momentum, Adam's m, v
+        assert trainer.update.opt.state_bytes() == kinds * W * kept > 0, name
+        assert 0 <= kept * d - n < d * len(sharded), (name, kept, n)
     _, replicated = TP.split_parameters(trainer.stage)
     mine = digest(replicated)
     assert set(grid.tp_comm.allgather_obj(mine)) == {mine}, f"{name}: tp copies differ"
