@@ -1,8 +1,11 @@
 """Timestamped events per rank, for timelines, bubbles and ``--explain``.
 
-Every MPI call made through :mod:`mpipar.comm` and every pipeline instruction records a span
-(start, end, kind, label) with ``MPI.Wtime``. ``gather`` brings all ranks' spans to rank 0,
-and ``gantt`` draws them: one row per rank, idle time left blank.
+Every pipeline instruction, every layer pass a trainer times and every "sync" region records a
+span (start, end, kind, label) with ``MPI.Wtime``; every MPI call made through
+:mod:`mpipar.comm` records one too while ``TRACE.calls`` is on (benchmarks and tests that read
+the calls turn it on: off, a call saves about a microsecond, a third of an 8-byte message).
+``gather`` brings all ranks' spans to rank 0, and ``gantt`` draws them: one row per rank, idle
+time left blank.
 """
 
 from contextlib import contextmanager
@@ -17,6 +20,7 @@ class Trace:
     def __init__(self):
         self.events = []  # (t0, t1, kind, label, info)
         self.enabled = True
+        self.calls = False  # also a "comm" span per MPI call (mpipar.comm._record)
 
     def clear(self):
         self.events.clear()

@@ -56,11 +56,15 @@ def test_a_long_pipeline_run_keeps_the_last_steps_only(capsys, monkeypatch):
 
 
 def test_the_trace_holds_one_step_at_most(capsys):
-    """Every MPI call records a span; the loop clears them each step, so a long run's memory
-    stays flat (the trace of a run of 40 steps is that of its last step)."""
+    """With TRACE.calls on, every MPI call records a span; the loop clears them each step, so a
+    long run's memory stays flat (the trace of a run of 40 steps is that of its last step)."""
     from mpipar.trace import TRACE
 
-    train.main("data_parallel", [*MLP, "--steps", "40"])  # the seed's master scheme
+    TRACE.calls = True
+    try:
+        train.main("data_parallel", [*MLP, "--steps", "40"])  # the seed's master scheme
+    finally:
+        TRACE.calls = False  # as in a training run
     capsys.readouterr()
     calls = [e[3] for e in TRACE.events if e[2] == "comm"]
     assert sorted(calls) == ["Bcast", "Reduce", "Scatterv", "Scatterv"], calls  # one step's

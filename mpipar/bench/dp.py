@@ -143,6 +143,8 @@ def worker(rounds, warmup):
     from mpipar.trace import TRACE
     from mpipar.train import trainer_class
 
+    TRACE.calls = True  # the gradient exchange's MPI time is read from the calls' spans
+
     C.install_excepthook()
     heap = steady_heap()
     grid = Grid(dp=C.world().size)

@@ -65,6 +65,7 @@ def worker(rounds, warmup):
     from mpipar.grid import layouts
     from mpipar.trace import TRACE
 
+    TRACE.calls = True  # each group's MPI time is read from the calls' spans
     C.install_excepthook()
     world = C.world()
     task, trainers = None, {}

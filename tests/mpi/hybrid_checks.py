@@ -35,6 +35,7 @@ from mpipar import tensor_parallel as TP
 from mpipar.cli import parse_args
 from mpipar.trace import TRACE
 
+TRACE.calls = True  # the checks read each MPI call's span
 C.install_excepthook()
 world = C.world()
 N, RANK = world.size, world.rank

@@ -34,6 +34,7 @@ from mpipar import tensor_parallel as TP
 from mpipar.grid import Grid
 from mpipar.trace import TRACE
 
+TRACE.calls = True  # the checks read each MPI call's span
 C.install_excepthook()
 world = C.world()
 N = world.size

@@ -22,6 +22,7 @@ from mpipar.grid import Grid
 from mpipar.tp_models import tp_size_problem
 from mpipar.trace import TRACE
 
+TRACE.calls = True  # the checks read each MPI call's span
 C.install_excepthook()
 B.use("numpy", "float64")
 grid = Grid(tp=C.world().size)

@@ -21,6 +21,7 @@ from mpipar import tensor_parallel as tp
 from mpipar.grid import Grid
 from mpipar.trace import TRACE
 
+TRACE.calls = True  # the checks read each MPI call's span
 C.install_excepthook()
 grid = Grid(tp=C.world().size)
 tp_comm = grid.tp_comm
