@@ -32,6 +32,7 @@ from mpipar.bench.common import (  # noqa: E402 (after the thread settings above
     write_csv,
 )
 from mpipar.bench.common import csv_float as _f  # noqa: E402
+from mpipar.report_link import link_section  # noqa: E402
 from mpipar.report_speed import speed_section  # noqa: E402
 from mpipar.report_text import write_report  # noqa: E402 (the text of REPORT.md, by section)
 from mpipar.validate import (  # noqa: E402
@@ -40,8 +41,9 @@ from mpipar.validate import (  # noqa: E402
     validation_rows,
 )
 
-# bench wait (about 5 minutes) and bench link (root, minutes) are run on their own; their
-# sections read the CSVs they left in plots/
+# bench wait (about 5 minutes) is run on its own; its section reads the CSV it left in plots/.
+# bench link (about 5 minutes) runs after these when this machine can emulate hosts (root,
+# network namespaces: run_link); otherwise its section keeps the committed link.csv
 BENCHES = ["engine", "overhead", "flops", "net", "dp", "tp", "pp", "hybrid", "ckpt", "memory"]
 
 
@@ -62,6 +64,18 @@ def run_benchmarks(quick, names=BENCHES, out=PLOTS, desc="benchmarks"):
         importlib.import_module(f"mpipar.bench.{name}").main(argv)
         times[name] = time.time() - t0
     return times
+
+
+def run_link(quick, times):
+    """bench link into plots/ when this machine can emulate hosts (its time goes into
+    ``times``); otherwise the note its section then carries: why, and that link.csv is older."""
+    from mpipar import cluster
+
+    reason = cluster.unavailable()
+    if reason:
+        return f"Not measured by this run ({reason}): the numbers of an earlier link.csv."
+    times.update(run_benchmarks(quick, ["link"], desc="bench link"))
+    return None
 
 
 def launch_again(quick, launches):
@@ -220,11 +234,13 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.launches < 1:
         ap.error("--launches must be at least 1")
+    link_note = None  # bench link's section: why this run did not measure the link
     if args.plots_only:  # the times of the run that wrote the CSVs, if it recorded them
         times = read_csv("bench_times.csv") if (PLOTS / "bench_times.csv").exists() else []
         bench_times = {r["bench"]: float(r["seconds"]) for r in times}
     else:
         bench_times = run_benchmarks(args.quick)
+        link_note = run_link(args.quick, bench_times)
         (PLOTS / UPDATE_CSV).unlink(missing_ok=True)  # time the updates afresh, in this run
         write_csv("bench_times.csv", [dict(environment(), bench=k, seconds=round(v, 1))
                                       for k, v in bench_times.items()])
@@ -248,7 +264,7 @@ def main(argv=None):
     if (PLOTS / "hybrid.csv").exists():
         plot_memory(PLOTS / "memory.png")
     path = write_report(validation, extrapolation, bench_times,
-                        headlines.section(headline_rows), speed_section())
+                        headlines.section(headline_rows), speed_section(), link_section(link_note))
     fair = [r for r in validation if not r["oversubscribed"]]
     print(f"cost model within 20%: {sum(abs(r['error']) <= 0.2 for r in fair)} of {len(fair)} "
           f"configurations with a core per rank, {sum(abs(r['error']) <= 0.2 for r in validation)}"

@@ -340,21 +340,22 @@ def extrapolation_section(extrapolation):
 
 
 # ----------------------------------------------------------------------------- the report
-def write_report(validation, extrapolation, bench_times, headline_lines=(), speed_lines=()):
+def write_report(validation, extrapolation, bench_times, headline=(), speed_lines=(), link=()):
     """plots/REPORT.md: every plot with what it shows; every number read from a CSV.
 
     ``validation`` and ``extrapolation`` are the rows the report wrote to model_validation.csv
     and extrapolation.csv; ``bench_times`` maps each benchmark to its seconds (empty when the
-    plots were only redrawn); ``headline_lines`` and ``speed_lines`` the sections of
-    :mod:`mpipar.headlines` and :mod:`mpipar.report_speed`. Returns the path written.
+    plots were only redrawn); ``headline`` and ``speed_lines`` the sections of
+    :mod:`mpipar.headlines` and :mod:`mpipar.report_speed`, ``link`` that of
+    :mod:`mpipar.report_link`. Returns the path written.
     """
     env = environment()
     dp = read_csv("dp.csv")
-    lines = (header(env, bench_times) + list(headline_lines) + engine_section(env)
+    lines = (header(env, bench_times) + list(headline) + engine_section(env)
              + list(speed_lines) + speedup_section(dp)
              + allreduce_section() + data_parallel_section(dp) + pipeline_section()
              + tensor_parallel_section() + layouts_section() + checkpoint_section()
-             + memory_section() + cost_model_section(validation)
+             + memory_section() + list(link) + cost_model_section(validation)
              + extrapolation_section(extrapolation))
     path = PLOTS / "REPORT.md"
     path.write_text("\n".join(lines))

@@ -133,6 +133,26 @@ def test_rates_read_as_tc_writes_them():
     assert cluster.burst_bytes(10**9) == 125000 and cluster.burst_bytes(10**8) == 16384
 
 
+def test_link_prediction_is_the_ring_formula():
+    """bench link's prediction, fed numbers: compute + 2(p-1) alpha + 2(p-1)/p n beta after the
+    backward; with overlap, buckets queue on the link from when each is posted and only what
+    is left after the backward ends counts."""
+    alpha, beta = 1e-4, 1e-8  # 100 us, 100 MB/s
+    one = link.predict_step(0.2, [(0.0, 8_000_000)], alpha, beta)
+    assert one == pytest.approx(0.2 + 2 * alpha + 8_000_000 * beta)  # 0.2802 s
+    assert link.predict_step(0.2, [(0.0, 8_000_000)], alpha, beta, p=4) == pytest.approx(
+        0.2 + 6 * alpha + 1.5 * 8_000_000 * beta)
+    # buckets of 4 MB posted at 50 and 140 ms, backward ends at 150 ms: the first is done at
+    # 50 + 40.2 ms, the second waits for its posting (140 ms) and is done at 180.2 ms
+    overlap = link.predict_step(0.2, [(0.05, 4_000_000), (0.14, 4_000_000)], alpha, beta, 0.15)
+    assert overlap == pytest.approx(0.2 + 0.1802 - 0.15)
+    # a slow link: the second bucket queues behind the first (50 + 2 x 400.2 ms)
+    slow = link.predict_step(0.2, [(0.05, 4_000_000), (0.14, 4_000_000)], alpha, 1e-7, 0.15)
+    assert slow == pytest.approx(0.2 + 0.05 + 2 * 0.4002 - 0.15)
+    # a fast link: all is done before the backward ends, nothing is exposed
+    assert link.predict_step(0.2, [(0.05, 4_000_000)], alpha, 1e-9, 0.15) == 0.2
+
+
 # ----------------------------------------------------------------------------- bad input
 BAD = {
     "a bandwidth that is no rate": (["--bandwidth", "fast"], 4, "'fast' is not a rate"),

@@ -227,6 +227,53 @@ def test_lesson_7_hybrid_memory_claims_are_the_csv():
     assert "for p in bucket.params:" in text
 
 
+# ----------------------------------------------------------------------------- lesson 9
+def test_lesson_9_link_numbers_are_the_csv():
+    """The table lesson 9 shows is plots/link.csv's run (each rate's DP steps, exposed
+    communication, predictions and errors), and so are the numbers its text quotes."""
+    from mpipar.cluster import burst_bytes, format_rate, parse_rate
+    from mpipar.report_link import crossover_bits
+
+    link = rows("link.csv")
+    dp = {(r["bandwidth"], r["mode"]): r for r in link if r["kind"] == "dp"}
+    ms = lambda rate, mode, key="seconds": f"{float(dp[rate, mode][key]) * 1e3:.0f} ms"  # noqa
+    text = lesson("09")
+    table = text.split("$ python -m mpipar.bench.link\n")[1].split("```")[0].splitlines()
+    for rate in {rate for rate, _ in dp}:
+        row = next(line for line in table if line.strip().startswith(
+            format_rate(parse_rate(rate))))
+        numbers = re.findall(r"(-?\d+) ms|([+-]\d+)%", row.split("Gb/s")[1])
+        expect = []
+        for mode in ("allreduce", "allreduce+overlap"):
+            r = dp[rate, mode]
+            expect += [f"{float(r[k]) * 1e3:.0f}" for k in
+                       ("seconds", "exposed_seconds", "predicted_seconds")]
+            expect.append(f"{100 * float(r['prediction_error']):+.0f}")
+        assert ["".join(n) for n in numbers] == expect, (rate, row)
+    text = flat(text)
+    crossover = f"about {crossover_bits(link) / 1e6:.0f} Mbit/s"
+    assert text.count(crossover) == 2, crossover  # the overview and the table's reading
+    compute = ms("none", "allreduce", "compute_seconds")
+    assert f"about {compute} of compute" in text and f"the {compute} of compute" in text
+    assert f"{ms('1gbit', 'allreduce')}, {ms('1gbit', 'allreduce', 'exposed_seconds')} of it " \
+           "exposed" in text
+    assert f"link is the step: {ms('100mbit', 'allreduce')}, " \
+           f"{ms('100mbit', 'allreduce', 'exposed_seconds')} of it exposed" in text
+    fast = [ms(rate, "allreduce", key) for key in ("seconds", "exposed_seconds")
+            for rate in ("none", "10gbit")]
+    assert f"the step is compute**: {fast[0][:-3]} and {fast[1]}, of which {fast[2][:-3]} and " \
+           f"{fast[3]} exposed" in text
+    assert f"backward's share ({ms('100mbit', 'allreduce+overlap')})" in text
+    assert f"hides a part ({ms('1gbit', 'allreduce+overlap')})" in text
+    assert f"({burst_bytes(10**10) / 1e6:.2f} MB)" in text
+    assert f"load average {float(link[0]['loadavg_1min']):.1f};" in text
+    errors = {key: float(r["prediction_error"]) for key, r in dp.items()}
+    worst = min(errors, key=errors.get)
+    assert all(-0.2 <= e < 0 for e in errors.values()), errors  # within 20%, all below
+    assert f"({100 * errors[worst]:+.0f}% at worst, one Allreduce at " \
+           f"{format_rate(parse_rate(worst[0]))})" in text and worst[1] == "allreduce"
+
+
 # ----------------------------------------------------------------------------- README
 def test_readme_claims_only_what_the_tests_prove():
     text = flat((ROOT / "README.md").read_text())

@@ -21,7 +21,18 @@ one within a host, and a data-parallel training step, at several bandwidths of t
 3. The driver: for each rate of ``--rates`` (none: no limit), a cluster of 2 emulated hosts
    with that link, 1. on 4 ranks (2 per host) and 2. on 2 ranks; ``--passes`` times over the
    rates, rate after rate, so that other work on the machine hits every rate alike. A table
-   of medians (the steps of every pass pooled), and link.csv with the load average.
+   of medians (the steps of every pass pooled), link.csv with the load average, and link.png.
+4. The prediction beside each step (:func:`predict_step`): compute + the ring allreduce's
+   2(p-1) alpha + 2(p-1)/p n beta (:func:`mpipar.simulate.ring_allreduce_time`), alpha the
+   across-hosts 8 B one-way median at that rate, beta its 1 MiB one-way median per byte. The
+   compute is a step minus its exposed communication at the unlimited rate (the fastest
+   measured when ``none`` is not among the rates), the least over the two ranks (the rank
+   that waits least is the one the step waits for), per mode: a 1-rank step would have twice
+   the rows per rank and none of the 2-rank step's MPI bookkeeping, and it would need a
+   launch more. With overlap each bucket's Allreduce starts when it was posted at the
+   unlimited rate (the step's own timeline, from the trace) or when the bucket before it is
+   done, and the step waits for what is left after its backward ends. The error is
+   predicted / measured - 1.
 
 The emulated hosts share this machine's cores: the step times are those of 2 ranks on its
 cores, and what the rates change is the link alone. Needs root (:func:`cluster.unavailable`).
@@ -118,6 +129,7 @@ def dp_worker(rounds):
     from mpipar.trace import TRACE
     from mpipar.train import trainer_class
 
+    TRACE.calls = True  # the buckets' posting times are read from the MPI calls' spans
     C.install_excepthook()
     bench_dp.steady_heap()
     grid = Grid(dp=C.world().size)
@@ -134,11 +146,22 @@ def dp_worker(rounds):
             t0 = MPI.Wtime()
             trainer.step(step)
             t = MPI.Wtime() - t0
-            sync = sum(e[1] - e[0] for e in TRACE.events if e[2] == "sync")
-            per_rank = grid.dp_comm.allgather_obj((t, sync))
-            samples.append((max(v[0] for v in per_rank), statistics.mean(v[1] for v in per_rank)))
+            per_rank = grid.dp_comm.allgather_obj((t, *timeline(TRACE.events, t0)))
+            samples.append((max(v[0] for v in per_rank), statistics.mean(v[1] for v in per_rank),
+                            min(v[1] for v in per_rank), max(v[2] for v in per_rank),
+                            [max(b) for b in zip(*(v[3] for v in per_rank))]))
         if grid.dp_comm.rank == 0:
-            emit({"mode": mode, "samples": samples, "grad_bytes": trainer.flat.nbytes})
+            emit({"mode": mode, "samples": samples, "grad_bytes": trainer.flat.nbytes,
+                  "buckets": [b.flat.nbytes for b in trainer.sync.buckets]})
+
+
+def timeline(events, t0):
+    """From one step's trace: its exposed communication (the "sync" spans), when the backward
+    ended and when each gradient Allreduce was posted (seconds after ``t0``)."""
+    sync = sum(e[1] - e[0] for e in events if e[2] == "sync")
+    backward_end = max(e[1] for e in events if e[3] == "backward") - t0
+    posted = [e[0] - t0 for e in events if e[2] == "comm" and e[3] == "Allreduce"]
+    return sync, backward_end, posted
 
 
 # ----------------------------------------------------------------------------- driver
@@ -185,29 +208,89 @@ def drive(rates, passes, repeats, rounds):
         pairs = {where: {key: (min if "least" in key else statistics.median)(
                      p[where][key] for p, _ in measured) for key in measured[0][0][where]}
                  for where in measured[0][0]}
-        steps = {mode: {"samples": [s for _, st in measured for s in st[mode]["samples"]],
-                        "grad_bytes": measured[0][1][mode]["grad_bytes"]} for mode in MODES}
+        steps = {mode: dict(measured[0][1][mode],
+                            samples=[s for _, st in measured for s in st[mode]["samples"]])
+                 for mode in MODES}
         results[rate] = pairs, steps
     return results
 
 
+# ----------------------------------------------------------------------------- the prediction
+def predict_step(compute, buckets, alpha, beta, backward_end=None, p=2):
+    """A data-parallel step predicted from its compute and the link's alpha and beta.
+
+    ``buckets``: (seconds after the step's start when its Allreduce is posted, bytes), in the
+    order posted; each costs the ring formula (:func:`mpipar.simulate.ring_allreduce_time`),
+    one after another, as they share the link. ``backward_end`` None (one Allreduce after the
+    backward): compute + every bucket's time. Otherwise (overlap) a bucket starts when it is
+    posted or when the one before it is done, whichever is later, and the step waits only
+    for what is left after the backward ends: compute + max(0, last done - backward_end).
+    """
+    from mpipar.simulate import ring_allreduce_time
+
+    if backward_end is None:
+        return compute + sum(ring_allreduce_time(n, p, alpha, beta) for _, n in buckets)
+    done = 0.0
+    for posted, n in buckets:
+        done = max(done, posted) + ring_allreduce_time(n, p, alpha, beta)
+    return compute + max(0.0, done - backward_end)
+
+
+def compute_rate(results):
+    """The rate whose steps give the compute: no limit if measured, else the fastest."""
+    return max(results, key=lambda rate: cluster.parse_rate(rate) or float("inf"))
+
+
+def predictions(results):
+    """{rate: {mode: (predicted seconds, compute seconds, that rate's own compute)}}:
+    :func:`predict_step` with the compute and the overlap's timeline of :func:`compute_rate`'s
+    steps and each rate's alpha (8 B across hosts, one way) and beta (1 MiB across hosts, one
+    way, per byte). A rate's own compute (its steps less their exposed communication) is not
+    used: it is kept to show when other work on the machine slowed that rate's steps."""
+    base = results[compute_rate(results)][1]
+    out = {}
+    for rate, (pairs, steps) in results.items():
+        alpha, beta = pairs["across hosts"]["8 B"], pairs["across hosts"]["1 MiB"] / SIZES[1]
+        out[rate] = {}
+        for m in MODES:
+            samples = base[m]["samples"]
+            compute = statistics.median(s[0] - s[2] for s in samples)
+            if m == "allreduce":
+                pred = predict_step(compute, [(0.0, steps[m]["grad_bytes"])], alpha, beta)
+            else:
+                posted = [statistics.median(t) for t in zip(*(s[4] for s in samples))]
+                if len(posted) != len(base[m]["buckets"]):  # the trace missed some calls
+                    raise SystemExit(f"{len(posted)} gradient Allreduces in the trace, "
+                                     f"{len(base[m]['buckets'])} buckets")
+                pred = predict_step(compute, list(zip(posted, base[m]["buckets"])), alpha, beta,
+                                    statistics.median(s[3] for s in samples))
+            own = statistics.median(s[0] - s[2] for s in steps[m]["samples"])
+            out[rate][m] = pred, compute, own
+    return out
+
+
 def report(results, out):
-    """The table, and link.csv."""
+    """The table, link.csv and link.png."""
     rows = []
     print(f"{'link':>10} {'8 B same host':>14} {'8 B across':>14} {'1 MiB across':>20}   "
-          f"{'DP step':>8} {'exposed':>8} {'+overlap':>9} {'exposed':>8}")
+          f"{'DP step':>8} {'exposed':>8} {'predicted':>16} {'+overlap':>9} {'exposed':>8} "
+          f"{'predicted':>16}")
     print(f"{'':>10} {'median/least':>14} {'median/least':>14} {'median, its rate':>20}   "
-          f"{'(median of the steps)':>37}")
+          f"{'(median of the steps; predicted: and its error)':>78}")
     load = round(os.getloadavg()[0], 2)
+    predicted = predictions(results)
     for rate, (pairs, steps) in results.items():
         same, across = pairs["same host"], pairs["across hosts"]
         step = {m: statistics.median(s[0] for s in steps[m]["samples"]) for m in MODES}
         exposed = {m: statistics.median(s[1] for s in steps[m]["samples"]) for m in MODES}
+        pred = {m: predicted[rate][m][0] for m in MODES}
         print(f"{cluster.format_rate(cluster.parse_rate(rate)):>10} "
               + "".join(f"{p['8 B'] * 1e6:7.1f}/{p['8 B least'] * 1e6:<4.1f} us "
                         for p in (same, across))
               + f"{across['1 MiB'] * 1e3:7.2f} ms {8 * SIZES[1] / across['1 MiB'] / 1e9:5.2f} Gb/s "
-              + "".join(f"{step[m] * 1e3:8.0f} ms {exposed[m] * 1e3:5.0f} ms" for m in MODES))
+              + "".join(f"{step[m] * 1e3:8.0f} ms {exposed[m] * 1e3:5.0f} ms "
+                        f"{pred[m] * 1e3:7.0f} ms {100 * (pred[m] / step[m] - 1):+4.0f}% "
+                        for m in MODES))
         for where, times in pairs.items():
             rows += [dict(environment(ranks=4), bench="link", bandwidth=rate, kind="pingpong",
                           where=where, bytes=n, seconds=times[key],
@@ -216,8 +299,52 @@ def report(results, out):
         rows += [dict(environment(ranks=2), bench="link", bandwidth=rate, kind="dp",
                       where="across hosts", mode=m, bytes=steps[m]["grad_bytes"],
                       seconds=step[m], exposed_seconds=exposed[m],
+                      least_seconds=min(s[0] for s in steps[m]["samples"]),
+                      most_seconds=max(s[0] for s in steps[m]["samples"]),
+                      predicted_seconds=pred[m], prediction_error=pred[m] / step[m] - 1,
+                      compute_seconds=predicted[rate][m][1], compute_from=compute_rate(results),
+                      compute_here_seconds=predicted[rate][m][2],
+                      alpha_seconds=across["8 B"], beta_seconds_per_byte=across["1 MiB"] / SIZES[1],
                       samples=len(steps[m]["samples"]), loadavg_1min=load) for m in MODES]
-    wrote(write_csv("link.csv", rows, out))
+    path = write_csv("link.csv", rows, out)
+    wrote(path, plot(rows, path.with_suffix(".png")))
+
+
+def plot(rows, path):
+    """Step time against the link's rate: the measured step of each mode as a bar, its exposed
+    communication shaded, the prediction as a line over it."""
+    from mpipar.bench.common import pyplot, save_figure
+
+    plt = pyplot()
+    dp = [r for r in rows if r["kind"] == "dp"]
+    rates = sorted(dict.fromkeys(r["bandwidth"] for r in dp),
+                   key=lambda rate: -(cluster.parse_rate(rate) or float("inf")))
+    fig, ax = plt.subplots(figsize=(8, 4.4))
+    width = 0.38
+    for j, mode in enumerate(MODES):
+        at = {r["bandwidth"]: r for r in dp if r["mode"] == mode}
+        xs = [i + (j - 0.5) * width for i in range(len(rates))]
+        step = [at[rate]["seconds"] * 1e3 for rate in rates]
+        bars = ax.bar(xs, step, width, label=f"{mode}: measured step", alpha=0.75)
+        color = bars.patches[0].get_facecolor()
+        ax.bar(xs, [at[rate]["exposed_seconds"] * 1e3 for rate in rates], width, fill=False,
+               hatch="//", edgecolor="black", lw=0, label="exposed communication" if j else None)
+        ax.plot(xs, [at[rate]["predicted_seconds"] * 1e3 for rate in rates], "o-", ms=5,
+                color=color[:3], markeredgecolor="black", label=f"{mode}: predicted")
+        for x, rate in zip(xs, rates):
+            ax.annotate(f"{100 * at[rate]['prediction_error']:+.0f}%",
+                        (x, at[rate]["predicted_seconds"] * 1e3), fontsize=7, ha="center",
+                        xytext=(0, 6), textcoords="offset points")
+    ax.set_xticks(range(len(rates)))
+    ax.set_xticklabels([cluster.format_rate(cluster.parse_rate(rate)) for rate in rates])
+    ax.set_xlabel("link between the 2 emulated hosts")
+    ax.set_ylabel("data-parallel step (ms), 2 ranks")
+    ax.set_title(f"DP step of the {dp[0]['bytes'] / 1e6:.1f} MB-gradient MLP across an emulated "
+                 f"link (load {dp[0]['loadavg_1min']:.1f}); error = predicted/measured - 1",
+                 fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, axis="y")
+    return save_figure(fig, path)
 
 
 def main(argv=None):

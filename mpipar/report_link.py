@@ -1,0 +1,158 @@
+"""The section "Across an emulated link" of ``plots/REPORT.md``, read from ``plots/link.csv``
+(``python -m mpipar.bench.link --out plots``, which needs root: :mod:`mpipar.cluster`).
+
+1. The table: per rate, the across-hosts latency (8 B one way) and 1 MiB one way, then per
+   mode the measured data-parallel step, its exposed communication and the prediction of
+   :func:`mpipar.bench.link.predict_step` with its error.
+2. The text: how many predictions are within 20% and, for those that are not, the spread of
+   the measured steps; the rate below which communication dominates (:func:`crossover_bits`);
+   what overlap gains; the machine's load.
+
+:mod:`mpipar.report` calls :func:`link_section` with a note when this run could not measure
+the link (no root, no namespaces): the section then keeps the committed CSV and says so.
+"""
+
+from mpipar.bench.common import PLOTS, read_csv
+from mpipar.bench.common import csv_float as _f
+from mpipar.cluster import burst_bytes, format_rate, parse_rate
+
+MODES = ("allreduce", "allreduce+overlap")  # mpipar.bench.link.MODES, without importing MPI
+TARGET = 0.2  # the prediction's target: within 20% of the measured step
+
+
+def link_rows(folder=PLOTS):
+    """link.csv's rows, or [] when it has not been written."""
+    return read_csv("link.csv", folder) if (folder / "link.csv").exists() else []
+
+
+def _bits(rate):
+    return parse_rate(rate) or float("inf")  # none: no limit, the fastest
+
+
+def dp_rows(rows):
+    """{(rate, mode): the data-parallel row}, and the rates, fastest first."""
+    dp = {(r["bandwidth"], r["mode"]): r for r in rows if r["kind"] == "dp"}
+    return dp, sorted({rate for rate, _ in dp}, key=lambda rate: -_bits(rate))
+
+
+def crossover_bits(rows, p=2):
+    """The rate (bits/s) at which the allreduce's bandwidth term, 2(p-1)/p n x 8 / R, equals the
+    compute of a step (link.csv's compute_seconds, mode allreduce): below it communication
+    takes longer than compute."""
+    r = next(r for r in rows if r["kind"] == "dp" and r["mode"] == "allreduce")
+    return 2 * (p - 1) / p * 8 * _f(r, "bytes") / _f(r, "compute_seconds")
+
+
+def _ms(row, key):
+    return f"{_f(row, key) * 1e3:.0f}"
+
+
+def _table(rows):
+    dp, rates = dp_rows(rows)
+    across = {(r["bandwidth"], r["bytes"]): r for r in rows
+              if r["kind"] == "pingpong" and r["where"] == "across hosts"}
+    lines = ["| link | 8 B one way | 1 MiB one way | " + " | ".join(
+                f"{m}: step, exposed, predicted (error)" for m in MODES) + " |",
+             "|---|---|---|" + "---|" * len(MODES)]
+    for rate in rates:
+        small, big = across[rate, "8"], across[rate, "1048576"]
+        cells = [f"{_ms(d, 'seconds')} ms, {_ms(d, 'exposed_seconds')} ms, "
+                 f"{_ms(d, 'predicted_seconds')} ms ({100 * _f(d, 'prediction_error'):+.0f}%)"
+                 for d in (dp[rate, m] for m in MODES)]
+        lines.append(f"| {format_rate(parse_rate(rate))} | {_f(small, 'seconds') * 1e6:.1f} us "
+                     f"| {_f(big, 'seconds') * 1e3:.2f} ms "
+                     f"({8 * 2**20 / _f(big, 'seconds') / 1e9:.2f} Gbit/s) | "
+                     + " | ".join(cells) + " |")
+    return lines
+
+
+def _why(r):
+    """Why one prediction missed, from its row: the compute of that rate's own steps, or the
+    communication they exposed, whichever differs more from what the prediction assumed
+    (where the machine is shared, other work slows some rates' compute and not others')."""
+    extra_compute = _f(r, "compute_here_seconds") - _f(r, "compute_seconds")
+    extra_comm = _f(r, "seconds") - _f(r, "predicted_seconds") - extra_compute
+    said = (f"{r['mode']} at {format_rate(parse_rate(r['bandwidth']))}: predicted "
+            f"{_ms(r, 'predicted_seconds')} ms ({100 * _f(r, 'prediction_error'):+.0f}%), steps "
+            f"from {_ms(r, 'least_seconds')} to {_ms(r, 'most_seconds')} ms; ")
+    if abs(extra_compute) >= abs(extra_comm):
+        return said + (f"its steps less their exposed communication took "
+                       f"{_ms(r, 'compute_here_seconds')} ms against the "
+                       f"{_ms(r, 'compute_seconds')} ms of compute the prediction uses: the "
+                       "compute differed more than the link did")
+    return said + (f"its exposed communication, {_ms(r, 'exposed_seconds')} ms, exceeds what "
+                   "the formula gives by more than the compute differs: the link (or the MPI "
+                   "library's Allreduce over it) was slower than the ping-pong's beta says")
+
+
+def _misses(rows):
+    """How many predictions are within the target; why each other one is not."""
+    dp, _ = dp_rows(rows)
+    missed = [r for r in dp.values() if abs(_f(r, "prediction_error")) > TARGET]
+    said = f"{len(dp) - len(missed)} of the {len(dp)} predictions are within 20% of the step. "
+    if not missed:
+        return said
+    return said + "Outside it: " + "; ".join(map(_why, missed)) + ". "
+
+
+def _gain(dp, rate):
+    """Overlap's step against one Allreduce's at one rate, as words."""
+    one, over = (_f(dp[rate, m], "seconds") for m in MODES)
+    return (f"{one * 1e3:.0f} to {over * 1e3:.0f} ms ({100 * (over / one - 1):+.0f}%) at "
+            f"{format_rate(parse_rate(rate))}")
+
+
+def _burst(rates):
+    """The rates whose token bucket holds a whole 1 MiB message: the ping-pong's 1 MiB passes
+    in one burst there, faster than the rate."""
+    big = [rate for rate in rates if parse_rate(rate) and burst_bytes(parse_rate(rate)) >= 2**20]
+    if not big:
+        return ""
+    return ("At " + ", ".join(format_rate(parse_rate(rate)) for rate in big) + " the token "
+            "bucket holds 1 ms of traffic, more than 1 MiB, so a 1 MiB message passes in one "
+            "burst, faster than the rate; the steps' gradients do not.")
+
+
+def link_section(note=None, folder=PLOTS):
+    """The section's markdown lines ([] without link.csv); ``note``: why this run did not
+    measure the link, said under the heading."""
+    rows = link_rows(folder)
+    if not rows:
+        return []
+    dp, rates = dp_rows(rows)
+    first = dp[rates[0], MODES[0]]
+    return [
+        "## Across an emulated link",
+        "",
+        *([f"*{note}*", ""] if note else []),
+        "![link](link.png)",
+        "",
+        "`python -m mpipar.bench.link` (root: network namespaces, `mpipar/cluster.py`) joins 2 "
+        "emulated hosts by a link that tc's token bucket limits, at each rate of: "
+        + ", ".join(format_rate(parse_rate(rate)) for rate in rates) + ". It times a "
+        "ping-pong across the hosts and the data-parallel step of the "
+        f"{_f(first, 'bytes') / 1e6:.1f} MB-gradient MLP on 2 ranks, one per host, with one "
+        "Allreduce after the backward and with 2 MiB buckets overlapped with it (`link.csv`: "
+        f"medians of {first['samples']} steps per rate and mode; load average "
+        f"{_f(first, 'loadavg_1min'):.1f} on {first['cores']} cores at the end of the run; the "
+        "hosts share these cores).",
+        "",
+        *_table(rows),
+        "",
+        "The prediction (`mpipar.bench.link.predict_step`) adds to the step's compute, "
+        f"{_ms(first, 'compute_seconds')} ms for one Allreduce and "
+        f"{_ms(dp[rates[0], MODES[1]], 'compute_seconds')} ms with the buckets (a step less its "
+        f"exposed communication at {format_rate(parse_rate(first['compute_from']))}), the ring "
+        "formula 2(p-1) alpha + 2(p-1)/p n beta with each rate's alpha and beta from the "
+        "ping-pong; with overlap each bucket starts when the backward posts it, and only what "
+        "is left after the backward counts. " + _misses(rows) + _burst(rates),
+        "",
+        f"Communication takes longer than compute below {crossover_bits(rows) / 1e6:.0f} "
+        f"Mbit/s: there the allreduce's n x 8 / R seconds (2(p-1)/p = 1 for p = 2) equal the "
+        f"{_ms(first, 'compute_seconds')} ms of compute. Overlap took the step from "
+        + "; ".join(_gain(dp, rate) for rate in rates) + ": it can hide the communication only "
+        "behind the backward" + (", and its layer-by-layer backward costs a little where there "
+                                 "is little to hide." if _f(dp[rates[0], MODES[1]], "seconds")
+                                 > _f(first, "seconds") else "."),
+        "",
+    ]
