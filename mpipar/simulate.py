@@ -3,24 +3,33 @@
     python -m mpipar.simulate --d-model 64 --n-layers 4 --dp 1 --tp 2 --pp 2 --micro-batches 4
     python -m mpipar.simulate --preset gpt3 --hardware h100 --dp 8 --tp 8 --pp 16
 
-From three measured numbers (or published ones for other hardware): the FLOP rate of one
-device, and alpha (seconds per message) and beta (seconds per byte) of its links, it predicts
+    python -m mpipar.simulate --dp 2 --zero 3 --recompute selective
+
+From measured numbers (or published ones for other hardware): the FLOP rate of one device,
+alpha (seconds per message) and beta (seconds per byte) of its links, and on this machine what
+MPI's Allreduce cost at each size and rank count measured (:mod:`mpipar.hardware`), it predicts
 
 - compute: each layer's forward FLOPs from :func:`mpipar.plan.layer_flops` (backward
   counted as twice the forward), divided over the tensor-parallel ranks, plus a fixed time
   per layer and micro-batch that does not divide (``Hardware.layer_overhead``), and the
   optimizer update, which grows with a stage's parameters (``Hardware.update_per_param``);
 - tensor-parallel communication: per transformer block and micro-batch, 2 allreduces forward and
-  2 backward of b*s*h elements (Megatron-LM), each a ring: 2(t-1) alpha + 2(t-1)/t n beta; and
-  for a whole GPT one more each in the embedding and the head, and 3 of b*s in the loss;
+  2 backward of b*s*h elements (Megatron-LM); for a whole GPT one more each in the embedding
+  and the head, and 3 of b*s in the loss. Every collective (these, and the data-parallel and
+  ZeRO ones below) costs what the same call measured on as many ranks at that size where
+  plots/net.csv has it (``--hardware this``), else a ring: 2(t-1) alpha + 2(t-1)/t n beta
+  (:meth:`mpipar.hardware.Hardware.collective_time`; an allgather or reduce-scatter half an
+  allreduce of the same size);
 - pipeline: the stages cut by :func:`mpipar.plan.partition`, then the *actual* schedule
   (:func:`mpipar.schedules.schedule`) replayed by :func:`mpipar.schedules.simulate` with each
   stage's forward and backward times and alpha + n beta per activation or gradient message, so
   the bubble comes out of the replay, not out of the closed formula (p-1)/(m+p-1);
-- data-parallel gradient allreduce once per step (ring over d ranks, not overlapped); with
+- data-parallel gradient allreduce once per step (over d ranks, not overlapped); with
   ZeRO-3 each layer's two allgathers and one reduce-scatter per micro-batch instead, and with
-  ZeRO-1 to 3 an update of 1/d of the parameters;
-- recomputation: full, one more forward in the backward; selective, attention's core again;
+  ZeRO-1 to 3 an update of 1/d of the parameters (``--zero 0..3``; with d = 1 nothing is
+  sharded);
+- recomputation (``--recompute [full|selective]``): full, one more forward in the backward;
+  selective, attention's core again;
 - memory per rank: parameters, gradients, optimizer state (Adam: 2 values per parameter,
   divided by d with ZeRO-1; ZeRO-2 divides the gradients too, ZeRO-3 the parameters too) and
   the activations of the most micro-batches a stage stashes.
@@ -29,90 +38,25 @@ device, and alpha (seconds per message) and beta (seconds per byte) of its links
   {k: speed of a rank while k compute}, the replay shares the cores among the stages that
   compute at each moment (:func:`shared_replay`).
 What it leaves out: overlap of communication with compute, kernel efficiency beyond "a FLOP
-rate plus a fixed cost per layer", and contention of the links.
+rate plus a fixed cost per layer", contention of the links, the time ranks wait for one
+another at a collective (an allreduce measured back to back finds its partner ready), and
+ZeRO-3's Python work of gathering and freeing beyond its collectives.
 """
 
 import argparse
-import csv
 import json
 import math
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numpy as np
 
-from mpipar import nn, plan, schedules
-
-
-# ----------------------------------------------------------------------------- hardware
-@dataclass
-class Hardware:
-    """A device's sustained FLOP rate and its links' alpha-beta costs.
-
-    ``tp_*`` is the link inside a node (tensor parallel groups sit there), ``net_*`` the link
-    between nodes (pipeline and data parallel traffic)."""
-
-    name: str
-    flops: float  # sustained FLOP/s of one device
-    tp_alpha: float
-    tp_beta: float
-    net_alpha: float
-    net_beta: float
-    memory: float = float("inf")  # bytes per device
-    source: str = ""
-    # a fixed time per layer and micro-batch forward (twice that backward) that no split
-    # divides: Python dispatch, and the lower efficiency of small matrix products
-    layer_overhead: float = 0.0
-    # seconds per parameter of a stage for the step's zero_grad and optimizer update (memory
-    # bound: it grows with the parameters, not with the batch)
-    update_per_param: float = 0.0
-    # seconds(n_bytes, ranks) of one allreduce, where measured costs replace the ring formula
-    # (ranks that share cores: see mpipar.validate.lockstep_allreduce); None: the formula
-    allreduce: object = None
-
-    def allreduce_time(self, n_bytes, p, alpha, beta):
-        """One allreduce of n_bytes over p ranks: measured if given, else the ring formula."""
-        if self.allreduce is not None and p > 1:
-            return self.allreduce(n_bytes, p)
-        return ring_allreduce_time(n_bytes, p, alpha, beta)
-
-
-# Published peak figures, derated to 50% sustained for the FLOP rate (a typical
-# model-FLOPs utilisation for large transformer training, Narayanan et al. 2021, Sec. 5.1),
-# and one direction's bandwidth for the links.
-PRESETS = {
-    "a100": Hardware("A100 SXM 80GB, NVLink 3, HDR InfiniBand", flops=0.5 * 312e12,
-                     tp_alpha=5e-6, tp_beta=1 / 300e9, net_alpha=10e-6, net_beta=1 / 25e9,
-                     memory=80e9, source="312 TFLOP/s bf16 dense; NVLink 300 GB/s per direction; "
-                                         "200 Gb/s HDR per GPU"),
-    "h100": Hardware("H100 SXM 80GB, NVLink 4, NDR InfiniBand", flops=0.5 * 989e12,
-                     tp_alpha=5e-6, tp_beta=1 / 450e9, net_alpha=10e-6, net_beta=1 / 50e9,
-                     memory=80e9, source="989 TFLOP/s bf16 dense; NVLink 450 GB/s per direction; "
-                                         "400 Gb/s NDR per GPU"),
-}
-
-
-def this_machine(flops, alpha, beta, memory=24 * 2**30, layer_overhead=0.0,
-                 update_per_param=0.0, allreduce=None, name="this machine (measured)"):
-    """The build machine: every link is shared memory, so one alpha and beta serve all."""
-    return Hardware(name, flops, alpha, beta, alpha, beta, memory, "FLOP rate, alpha, beta "
-                    "as measured", layer_overhead, update_per_param, allreduce)
-
-
-def measured_machine(flops=None, alpha=None, beta=None, folder=Path(__file__).parents[1] / "plots"):
-    """``--hardware this``: one rank's GEMM rate alone (plots/flops.csv) and the ping-pong's alpha
-    and beta (plots/net.csv); a number given as a flag wins; without the CSVs, the defaults."""
-    try:
-        rate = next(float(r["gflops_per_rank"]) * 1e9 for r in csv.DictReader(
-            open(folder / "flops.csv")) if r["ranks"] == r["computing"] == "1")
-        ping = next(r for r in csv.DictReader(open(folder / "net.csv")) if r["kind"] == "pingpong")
-        found, how = (rate, float(ping["alpha"]), float(ping["beta"])), "measured"
-    except (OSError, StopIteration):
-        found, how = (20e9, 5e-6, 1 / 8e9), "defaults"
-    f, a, b = (v if v is not None else d for v, d in zip((flops, alpha, beta), found))
-    how += ", flags given" if {flops, alpha, beta} != {None} else ""
-    return this_machine(f, a, b, name=f"this machine ({how}: {f / 1e9:.1f} GFLOP/s, alpha "
-                                      f"{a * 1e6:.2f} us, beta {b * 1e9:.4f} ns/B)")
+from mpipar import hardware, nn, plan, schedules
+from mpipar.hardware import (  # noqa: F401 (the model's machines, imported from here too)
+    PRESETS,
+    Hardware,
+    measured_machine,
+    this_machine,
+)
 
 
 # ----------------------------------------------------------------------------- the models
@@ -176,11 +120,8 @@ class MLPSpec:
 GPT3 = GPTSpec(vocab=50257, d_model=12288, n_heads=96, n_layers=96, seq_len=2048)  # 175B
 
 
-def ring_allreduce_time(n_bytes, p, alpha, beta):
-    """2(p-1) alpha + 2(p-1)/p n beta (Thakur et al. 2005); zero on one rank."""
-    if p <= 1:
-        return 0.0
-    return 2 * (p - 1) * alpha + 2 * (p - 1) / p * n_bytes * beta
+# the ring's formula, 2(p-1) alpha + 2(p-1)/p n beta, where a collective was not measured
+ring_allreduce_time = hardware.ring_allreduce_time
 
 
 # tensor-parallel Allreduces per micro-batch, forward and backward together, of an activation
@@ -188,6 +129,9 @@ def ring_allreduce_time(n_bytes, p, alpha, beta):
 # the embedding's partial lookups, the head's input gradient and the cross-entropy's softmax
 # statistics (max, target logit, sum of exponentials)
 TP_ALLREDUCES = {nn.Block: (4, 0), nn.GPTEmbedding: (1, 0), nn.GPTHead: (1, 3)}
+# ZeRO-3's collectives per layer and micro-batch (mpipar.zero): its parameters gathered for the
+# forward and again for the backward, its gradient reduce-scattered
+ZERO3_CALLS = ("allgather", "allgather", "reduce_scatter")
 
 
 def layer_table(spec, micro_rows, tp=1, dtype_bytes=2, recompute=False):
@@ -250,9 +194,8 @@ def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f
     backward then costs 3 forwards instead of 2); "selective": keep all but attention's
     softmax part, whose forward (the table's ``core``) the backward runs again. ``zero`` 3: each
     layer's parameters are allgathered twice and its gradient reduce-scattered once per
-    micro-batch, in place of the one allreduce: 1.5 allreduces of the layer's bytes (an
-    allreduce is a reduce-scatter and an allgather), with a ring 3 (d-1) alpha + 3 (d-1)/d n
-    beta.
+    micro-batch, in place of the one allreduce: each half an allreduce of the layer's bytes
+    (an allreduce is a reduce-scatter and an allgather), 1.5 allreduces in all.
     ``compute_share`` scales the FLOP rate when
     ranks share a core (oversubscription): one number for every moment, or a table
     {k: share while k ranks compute}, for which the pipeline is replayed with the cores shared
@@ -273,9 +216,9 @@ def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f
         compute_share = table_share[min(dp * tp * pp, max(table_share))]
     rate = hw.flops * (1.0 if table_share else compute_share)
     act_bytes = spec.message_bytes(micro_rows, dtype_bytes)  # one activation or its gradient
-    allreduce = hw.allreduce_time(act_bytes, tp, hw.tp_alpha, hw.tp_beta)
-    per_token = hw.allreduce_time(act_bytes / spec.d_model if isinstance(spec, GPTSpec)
-                                    else 0.0, tp, hw.tp_alpha, hw.tp_beta)
+    allreduce = hw.collective_time("allreduce", act_bytes, tp, hw.tp_alpha, hw.tp_beta)
+    per_token = hw.collective_time("allreduce", act_bytes / spec.d_model if isinstance(
+        spec, GPTSpec) else 0.0, tp, hw.tp_alpha, hw.tp_beta)
     backward_factor = 3.0 if recompute and recompute != "selective" else 2.0
 
     fwd, bwd, comm, stage_params, stage_stash = [], [], [], [], []
@@ -310,11 +253,12 @@ def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f
     busiest = int(np.argmax([n_micro * (f + b) for f, b in zip(fwd, bwd)]))
 
     grad_bytes = max(stage_params) * dtype_bytes
-    dp_time = hw.allreduce_time(grad_bytes, dp, hw.net_alpha, hw.net_beta)
-    if zero >= 3:  # per micro-batch and layer Allgather, Allgather, Reduce_scatter: 1.5 allreduces
+    dp_time = hw.collective_time("allreduce", grad_bytes, dp, hw.net_alpha, hw.net_beta)
+    if zero >= 3:  # per micro-batch and layer Allgather, Allgather, Reduce_scatter
         layers = table[sum(counts[:busiest]):][:counts[busiest]]  # the busiest stage's
-        dp_time = n_micro * sum(1.5 * hw.allreduce_time(r["params"] / tp * dtype_bytes, dp,
-                                hw.net_alpha, hw.net_beta) for r in layers if r["params"])
+        dp_time = n_micro * sum(hw.collective_time(kind, r["params"] / tp * dtype_bytes, dp,
+                                                   hw.net_alpha, hw.net_beta)
+                                for r in layers if r["params"] for kind in ZERO3_CALLS)
     # the optimizer update: of a stage's parameters, of 1/d of them with ZeRO-1
     update = max(stage_params) * hw.update_per_param / (dp if zero else 1) / compute_share
     total = pipeline_time + dp_time + update
@@ -428,8 +372,10 @@ def main(argv=None):
     ap.add_argument("--alpha", type=cost, help="s per message, --hardware this (0: free)")
     ap.add_argument("--beta", type=cost, help="s per byte, --hardware this (default: net.csv)")
     ap.add_argument("--dtype-bytes", type=count, default=4)
-    ap.add_argument("--zero", type=int, choices=[0, 1], default=0)
-    ap.add_argument("--recompute", action="store_true", help="recompute activations in backward")
+    ap.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0,
+                    help="ZeRO stage: shard optimizer state (1), gradients (2), parameters (3)")
+    ap.add_argument("--recompute", nargs="?", const="full", choices=["full", "selective"],
+                    help="recompute activations in backward (alone: full)")
     ap.add_argument("--json", action="store_true", help="print the prediction as JSON")
     args = ap.parse_args(argv)
     spec = GPT3 if args.preset == "gpt3" else GPTSpec(args.vocab, args.d_model, args.n_heads,
@@ -446,7 +392,9 @@ def main(argv=None):
         return
     print(f"{hw.name}: GPT {spec}")
     print(f"layout dp={args.dp} tp={args.tp} pp={args.pp}, {args.micro_batches} micro-batches, "
-          f"{args.schedule}; layers per stage {r['partition']}")
+          f"{args.schedule}; layers per stage {r['partition']}"
+          + (f"; ZeRO-{args.zero}" if args.zero else "")
+          + (f"; recompute {args.recompute}" if args.recompute else ""))
     print(f"predicted step {_ms(r['step_s'])}: compute {_ms(r['compute_s'])}, tensor-parallel "
           f"comm {_ms(r['tp_comm_s'])}, pipeline comm {_ms(r['pp_comm_s'])}, bubble "
           f"{_ms(r['bubble_s'])}, data-parallel comm {_ms(r['dp_comm_s'])}")

@@ -137,10 +137,13 @@ def validation_rows():
     pipeline replay (:func:`mpipar.simulate.shared_replay`). alpha and beta come from the
     ping-pong, or, for runs with more ranks than cores, from allreduces between computations
     on 4 ranks (:func:`oversubscribed_alpha_beta`), where the allreduces between layers cost
-    what those measured at their size (:func:`lockstep_allreduce`)."""
+    what those measured at their size (:func:`lockstep_allreduce`); with a core per rank they
+    cost what MPI's Allreduce measured back to back on as many ranks at their size
+    (:func:`mpipar.hardware.allreduce_table`, the formula outside the measured sizes)."""
     from mpipar import simulate as S
     from mpipar.bench.net import fit_alpha_beta
     from mpipar.bench.net import predict as allreduce_time
+    from mpipar.hardware import allreduce_table
 
     flops = read_csv("flops.csv")
     shared, each = {}, {}  # ranks -> the share with every rank computing, or with more ranks
@@ -152,6 +155,7 @@ def validation_rows():
             each[p] = {int(r["computing"]): _f(r, "share_mean") for r in rows}
     over_alpha, over_beta = oversubscribed_alpha_beta()
     lockstep = lockstep_allreduce()
+    measured = allreduce_table(read_csv("net.csv"))  # MPI's Allreduce, by ranks and size
     out = []
 
     def links(ranks, alpha, beta):
@@ -160,7 +164,7 @@ def validation_rows():
     def machine(rate, ranks, alpha, beta, **kw):  # this machine, as a run of `ranks` sees it
         if ranks > cores():  # allreduces between layers at their measured cost there
             return S.this_machine(rate, over_alpha, over_beta, allreduce=lockstep, **kw)
-        return S.this_machine(rate, alpha, beta, **kw)
+        return S.this_machine(rate, alpha, beta, measured=measured, **kw)  # as net.csv timed
 
     # data parallelism: MLP, P replicas; compute from the simulator, exchange by algorithm
     dp = read_csv("dp.csv")

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from mpipar import hardware as H
 from mpipar import nn, plan, schedules
 from mpipar import simulate as S
 from mpipar import tp_models as TP
@@ -127,6 +128,65 @@ def test_a_measured_allreduce_cost_replaces_the_ring_formula():
     assert two["tp_comm_s"] == pytest.approx(3 * 4 * 1e-3)
     assert (4 * 16 * 64 * 2, 2) in calls
     assert S.predict(spec, hw, tp=1, global_batch=4)["tp_comm_s"] == 0.0
+
+
+NET_ROWS = [dict(kind="allreduce", algo="mpi", ranks="2", bytes=str(n), seconds=str(t))
+            for n, t in ((1000, 1e-4), (100000, 1e-3), (1000000, 4e-3))] + [
+    dict(kind="allreduce", algo="ring", ranks="2", bytes="10000", seconds="1"),  # not MPI's
+    dict(kind="allreduce", algo="mpi", ranks="4", bytes="1000", seconds="5e-4"),
+    dict(kind="pingpong", algo="send-recv", ranks="2", bytes="8", seconds="1")]
+NET_ROWS_MPI_2 = ((1000, 1e-4), (100000, 1e-3), (1000000, 4e-3))  # MPI's, on 2 ranks, sorted
+
+
+def test_allreduce_table_keeps_mpis_allreduce_by_ranks_sorted_by_size():
+    table = H.allreduce_table(reversed(NET_ROWS))
+    assert table == {2: NET_ROWS_MPI_2, 4: ((1000, 5e-4),)}
+
+
+def test_a_collective_costs_what_the_same_call_measured_else_the_formula():
+    """Measured sizes: their time; between two: log-log linear; outside them, or on a rank
+    count not measured: the ring formula; an allgather or reduce-scatter half an allreduce."""
+    alpha, beta = 1e-5, 1e-9
+    hw = S.this_machine(1e9, alpha, beta, measured=H.allreduce_table(NET_ROWS))
+    cost = lambda n, p=2, kind="allreduce": hw.collective_time(kind, n, p, alpha, beta)  # noqa
+    assert cost(100000) == pytest.approx(1e-3, rel=1e-12)
+    assert cost(10000) == pytest.approx((1e-4 * 1e-3) ** 0.5, rel=1e-12)  # halfway in log n
+    assert cost(10**5.5) == pytest.approx(1e-3 * 4**0.5, rel=1e-12)
+    assert cost(100) == pytest.approx(S.ring_allreduce_time(100, 2, alpha, beta), rel=1e-12)
+    assert cost(2e6) == pytest.approx(S.ring_allreduce_time(2e6, 2, alpha, beta), rel=1e-12)
+    assert cost(1000, p=4) == pytest.approx(5e-4)
+    assert cost(1000, p=8) == pytest.approx(S.ring_allreduce_time(1000, 8, alpha, beta))
+    assert cost(10000, kind="allgather") == cost(10000, kind="reduce_scatter") == \
+        pytest.approx(cost(10000) / 2, rel=1e-12)
+    assert cost(10000, p=1) == 0.0
+    plain = S.this_machine(1e9, alpha, beta)  # the presets' way: the formula everywhere
+    assert plain.collective_time("allreduce", 100000, 2, alpha, beta) == \
+        S.ring_allreduce_time(100000, 2, alpha, beta)
+
+
+def test_tensor_parallel_allreduces_cost_the_measured_call():
+    """A block of width 64, 4 rows of 16 tokens in 16-bit: 8,192 bytes, between the table's
+    1,000 and 100,000; 3 blocks x 4 allreduces; ZeRO-3's 3 calls cost 1.5 allreduces."""
+    spec = S.GPTSpec(8, 64, 4, 3, 16, blocks_only=True)
+    hw = S.this_machine(1e9, 1e-5, 1e-9, measured=H.allreduce_table(NET_ROWS))
+    one = H.interpolate(NET_ROWS_MPI_2, 4 * 16 * 64 * 2)
+    assert S.predict(spec, hw, tp=2, global_batch=4)["tp_comm_s"] == pytest.approx(12 * one)
+    mlp = S.MLPSpec((100, 125))  # 12,625 values: 50,500 bytes in float32
+    zero3 = S.predict(mlp, hw, dp=2, global_batch=4, dtype_bytes=4, zero=3)["dp_comm_s"]
+    assert zero3 == pytest.approx(1.5 * H.interpolate(NET_ROWS_MPI_2, 50500), rel=1e-12)
+
+
+def test_this_machine_reads_the_allreduces_unless_alpha_or_beta_is_given(tmp_path):
+    fields = ["kind", "algo", "ranks", "bytes", "seconds", "alpha", "beta"]
+    with open(tmp_path / "net.csv", "w") as f:
+        f.write(",".join(fields) + "\n" + "".join(
+            ",".join(str(dict(r, alpha="5e-6", beta="1e-10")[k]) for k in fields) + "\n"
+            for r in [NET_ROWS[-1]] + NET_ROWS[:-1]))
+    (tmp_path / "flops.csv").write_text("ranks,computing,gflops_per_rank\n1,1,10\n")
+    hw = H.measured_machine(folder=tmp_path)
+    assert hw.measured == H.allreduce_table(NET_ROWS) and hw.tp_alpha == 5e-6
+    assert H.measured_machine(alpha=0.0, folder=tmp_path).measured is None
+    assert H.measured_machine(flops=1e9, folder=tmp_path).measured == hw.measured
 
 
 def test_memory_follows_korthikanti_and_zero():
@@ -292,6 +352,7 @@ def test_selective_recomputation_adds_attention_core_and_keeps_the_rest():
     (["--alpha=-1e-6"], "argument --alpha: expected a finite number >= 0"),
     (["--alpha", "nan", "--json"], "argument --alpha: expected a finite number >= 0"),
     (["--beta", "inf"], "argument --beta: expected a finite number >= 0"),
+    (["--zero", "4"], "argument --zero: invalid choice: 4"),
     (["--n-heads", "5"], "--d-model 64 is not divisible by --n-heads 5"),
     (["--tp", "3"], "--tp 3 must divide the head count (4) and the hidden size (64)"),
     (["--pp", "5"], "--pp 5 stages but the model has only 4 layers"),
@@ -318,6 +379,43 @@ def test_cli_accepts_free_links_and_the_lesson_commands(capsys):
     S.main("--preset gpt3 --hardware a100 --dp 8 --tp 8 --pp 16 --micro-batches 64 "
            "--batch-size 1536 --dtype-bytes 2 --zero 1 --recompute".split())
     assert "predicted step" in capsys.readouterr().out
+
+
+def _cli_json(flags, capsys):
+    S.main([*flags, "--alpha", "1e-5", "--beta", "1e-9", "--flops", "1e9", "--json"])
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_cli_zero_3_holds_16_bytes_a_parameter_over_the_replicas(dp, capsys):
+    """Adam in float32: 4 + 4 + 8 bytes a parameter, each sharded over d ranks by ZeRO-3 (d = 1
+    is legal and shards nothing); ZeRO-2 keeps the parameters whole, ZeRO-0 everything."""
+    n = sum(p.size for p in S.GPTSpec(96, 64, 4, 2, 32).model().parameters())
+    state = ("params", "grads", "optimizer")
+    flags = ["--dp", str(dp), "--dtype-bytes", "4"]
+    three, two, none = (_cli_json(flags + ["--zero", z], capsys) for z in "320")
+    assert sum(three[f"mem_{k}_bytes"] for k in state) == pytest.approx(16 * n / dp, rel=1e-12)
+    assert sum(two[f"mem_{k}_bytes"] for k in state) == pytest.approx(4 * n + 12 * n / dp)
+    assert sum(none[f"mem_{k}_bytes"] for k in state) == pytest.approx(16 * n)
+    assert (three["dp_comm_s"] > 0) == (dp > 1)
+
+
+def test_cli_recompute_takes_full_or_selective_and_alone_means_full(capsys):
+    spec, hw = S.GPTSpec(96, 64, 4, 2, 32), S.this_machine(1e9, 1e-5, 1e-9)
+    runs = {what: _cli_json(flags, capsys) for what, flags in (
+        ("none", []), ("alone", ["--recompute"]), ("full", ["--recompute", "full"]),
+        ("selective", ["--recompute", "selective"]))}
+    for what, r in runs.items():
+        want = S.predict(spec, hw, dtype_bytes=4, recompute=what != "none" and (
+            "selective" if what == "selective" else True))
+        assert (r["step_s"], r["mem_activations_bytes"]) == pytest.approx(
+            (want["step_s"], want["mem_activations_bytes"]), rel=1e-12), what
+    assert runs["none"]["step_s"] < runs["selective"]["step_s"] < runs["full"]["step_s"]
+    with pytest.raises(SystemExit) as exit_info:
+        S.main(["--recompute", "some"])
+    assert exit_info.value.code == 2 and "invalid choice: 'some'" in capsys.readouterr().err
+    S.main(["--dp", "2", "--zero", "3", "--recompute", "selective"])
+    assert "ZeRO-3; recompute selective" in capsys.readouterr().out
 
 
 def test_cli_refusal_exits_2_from_the_command_line():

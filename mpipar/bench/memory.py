@@ -146,11 +146,12 @@ def update_cost(experiment, repeats=7):
     return statistics.median(times[1:]) / sum(p.size for p in model.parameters())
 
 
-def predict_ms(experiment, config, ranks, rate, alpha, beta, update=0.0):
+def predict_ms(experiment, config, ranks, rate, alpha, beta, update=0.0, measured=None):
     """The step time (ms) :func:`mpipar.simulate.predict` gives a configuration on ``ranks``
     ranks at ``rate`` FLOP/s: ZeRO's stage sets its traffic (ZeRO-3: 3 calls per layer, the
     others one allreduce's worth), --recompute its backward (full: one more forward; selective:
-    attention's core once more)."""
+    attention's core once more). ``measured``: the Allreduces plots/net.csv timed
+    (:func:`mpipar.hardware.allreduce_table`), which price the collectives where they apply."""
     from mpipar import serial
     from mpipar import simulate as S
     from mpipar.cli import parse_args
@@ -161,7 +162,7 @@ def predict_ms(experiment, config, ranks, rate, alpha, beta, update=0.0):
         VOCAB[experiment, a.d_model] = serial.Task(a).data.vocab
     spec = S.GPTSpec(VOCAB[experiment, a.d_model], a.d_model, a.n_heads, a.n_layers, a.seq_len)
     dp, pp = (ranks, 1) if scheme == "data_parallel" else (1, ranks)
-    hw = S.this_machine(rate, alpha, beta, update_per_param=update)
+    hw = S.this_machine(rate, alpha, beta, update_per_param=update, measured=measured)
     r = S.predict(spec, hw, dp, 1, pp, a.batch_size,
                   a.micro_batches, getattr(a, "schedule", "1f1b"), 4, getattr(a, "zero", 0),
                   a.recompute)
@@ -171,17 +172,18 @@ def predict_ms(experiment, config, ranks, rate, alpha, beta, update=0.0):
 def add_predictions(rows):
     """Each row's predicted step time beside the measured: the FLOP rate fitted so that the
     experiment's base configuration (:data:`BASE`) on as many ranks takes its measured median,
-    alpha and beta the ping-pong's (:func:`mpipar.simulate.measured_machine`). What the model
+    alpha and beta the ping-pong's and the collectives as net.csv timed them
+    (:func:`mpipar.hardware.measured_machine`). What the model
     adds to the base is then the prediction under test: ZeRO-3's allgathers and reduce-scatters
     per layer, recomputation's extra forward. Meant for a core per rank (``oversubscribed``
     False); where ranks share cores the fitted rate holds their sharing too."""
-    from mpipar.simulate import measured_machine
+    from mpipar.hardware import measured_machine
 
     ping, updates = measured_machine(), {}
     for (experiment, ranks), group in _groups(rows).items():
         if experiment not in updates:
             updates[experiment] = update_cost(experiment)
-        links = (ping.net_alpha, ping.net_beta, updates[experiment])
+        links = (ping.net_alpha, ping.net_beta, updates[experiment], ping.measured)
         base = next(r for r in group if r["config"] == BASE[experiment])
         # the step is C / rate + what does not compute (update, messages): fit C / rate to
         # what the base's measured time leaves beyond the rest
