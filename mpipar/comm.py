@@ -166,8 +166,13 @@ class Comm(PickledCalls):
         s["messages"] += messages
 
     def _record(self, op, detail, nbytes, t0, what=""):
+        FLIGHT.recent.append((_now(), self.name, op, detail, what))
+        if TRACE.calls or EXPLAIN:
+            self._trace(op, detail, nbytes, t0, what)
+
+    def _trace(self, op, detail, nbytes, t0, what):
+        """A span per call (TRACE.calls) and the --explain line: both off in a plain run."""
         t1 = _now()
-        FLIGHT.recent.append((t1, self.name, op, detail, what))
         if TRACE.calls:
             TRACE.events.append((t0, t1, "comm", op,
                                  {"comm": self.name, "detail": detail, "bytes": nbytes}))
@@ -206,14 +211,16 @@ class Comm(PickledCalls):
             self.Isend(buf, dest, tag, what, posted=False).wait()
             return
         detail, t0 = TO(dest), _now()
-        FLIGHT.waiting = (t0, self.name, "Send", detail, what)
+        FLIGHT.waiting = call = (t0, self.name, "Send", detail, what)
         try:
             (self.mpi.Ssend if SSEND else self.mpi.Send)(buf, dest, tag)
         finally:
             FLIGHT.waiting = None
+        FLIGHT.recent.append(call)  # stamped when it began (the others: when they completed)
         n = buf.nbytes  # counted after the send, off a ping-pong's critical path (Recv: before)
         self._count("Send", sent=n, messages=1)
-        self._record("Send", detail, n, t0, what)
+        if TRACE.calls or EXPLAIN:
+            self._trace("Send", detail, n, t0, what)
 
     def Isend(self, buf, dest, tag=0, what="", posted=True):
         """Post a send (a synchronous one with MPIPAR_SSEND=1); ``.wait()`` completes it.
@@ -234,14 +241,16 @@ class Comm(PickledCalls):
         n, status = buf.nbytes, self.status
         self._count("Recv", recv=n)
         detail, t0 = FROM(source), _now()
-        FLIGHT.waiting = (t0, self.name, "Recv", detail, what)
+        FLIGHT.waiting = call = (t0, self.name, "Recv", detail, what)
         try:
             self.mpi.Recv(buf, source, tag, status)
         finally:
             FLIGHT.waiting = None
         if status.Get_count(BYTE) != n:
             _check_count(status, buf, source)  # raises, saying what came
-        self._record("Recv", detail, n, t0, what)
+        FLIGHT.recent.append(call)
+        if TRACE.calls or EXPLAIN:
+            self._trace("Recv", detail, n, t0, what)
         return status
 
     def Irecv(self, buf, source, tag=0, what="", posted=True):
@@ -295,8 +304,7 @@ class Comm(PickledCalls):
     def Reduce(self, sendbuf, recvbuf, op=MPI.SUM, root=0, what=""):
         """``recvbuf`` on root = op over every rank's ``sendbuf`` (recvbuf ignored elsewhere)."""
         check_array(sendbuf, what="Reduce")
-        t0 = _now()
-        is_root = self.rank == root
+        t0, is_root = _now(), self.rank == root
         if is_root:
             check_array(recvbuf, sendbuf.shape, sendbuf.dtype, what="Reduce result")
         host_out, dev = B.host_out(recvbuf) if is_root else (None, None)
@@ -363,14 +371,12 @@ class Comm(PickledCalls):
         if recvbuf.shape[0] != counts[self.rank]:
             raise ValueError(f"Scatterv: rank {self.rank} expects {counts[self.rank]} rows, "
                              f"its buffer has {recvbuf.shape[0]}")
-        t0 = _now()
-        is_root = self.rank == root
+        t0, is_root = _now(), self.rank == root
         elems = [c * row for c in counts]
-        displs = offsets(elems)
         send = None
         if is_root:
             check_array(sendbuf, what="Scatterv")
-            send = [B.host(sendbuf), (elems, displs), MPI._typedict[sendbuf.dtype.char]]
+            send = [B.host(sendbuf), (elems, offsets(elems)), MPI._typedict[sendbuf.dtype.char]]
         host_out, dev = B.host_out(recvbuf)
         self._count("Scatterv", sent=(sendbuf.nbytes - recvbuf.nbytes) if is_root else 0,
                     recv=0 if is_root else recvbuf.nbytes)
@@ -382,15 +388,13 @@ class Comm(PickledCalls):
         """Root collects ``counts[r]`` rows from rank r into recvbuf, in rank order."""
         check_array(sendbuf, what="Gatherv")
         row = int(np.prod(sendbuf.shape[1:]))
-        t0 = _now()
-        is_root = self.rank == root
+        t0, is_root = _now(), self.rank == root
         elems = [c * row for c in counts]
-        displs = offsets(elems)
         recv, host_out, dev = None, None, None
         if is_root:
             check_array(recvbuf, what="Gatherv result")
             host_out, dev = B.host_out(recvbuf)
-            recv = [host_out, (elems, displs), MPI._typedict[recvbuf.dtype.char]]
+            recv = [host_out, (elems, offsets(elems)), MPI._typedict[recvbuf.dtype.char]]
         self._count("Gatherv", sent=0 if is_root else sendbuf.nbytes,
                     recv=(recvbuf.nbytes - sendbuf.nbytes) if is_root else 0)
         req = self.mpi.Igatherv(B.host(sendbuf), recv, root=root)

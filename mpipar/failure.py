@@ -45,11 +45,12 @@ RECENT = 16  # calls the flight recorder keeps
 class Flight:
     """This rank's flight recorder: its last communication calls, and the one it waits in now.
 
-    ``recent`` holds ``(MPI.Wtime(), comm name, op, detail, what)`` per completed or posted call;
-    ``waiting`` is ``(since, comm name, op, detail, what)`` while the main thread is blocked in
-    an MPI call (set and cleared by :func:`mpipar.comm.wait` and by the calls that go straight
-    to MPI's blocking twin), else None. ``recent`` is a deque of fixed length: a ring kept in C,
-    one append per call, so the recorder costs nothing to trim.
+    ``recent`` holds ``(MPI.Wtime(), comm name, op, detail, what)`` per completed or posted call
+    (a blocking Send or Recv: its ``waiting`` tuple, stamped when it began, one clock call
+    fewer on a ping-pong's path); ``waiting`` is ``(since, comm name, op, detail, what)`` while
+    the main thread is blocked in an MPI call (set and cleared by :func:`mpipar.comm.wait` and
+    by the calls that go straight to MPI's blocking twin), else None. ``recent`` is a deque of
+    fixed length: a ring kept in C, one append per call, so the recorder costs nothing to trim.
     """
 
     def __init__(self):
