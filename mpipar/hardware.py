@@ -73,6 +73,10 @@ class Hardware:
     allreduce: object = None
     # {ranks: ((bytes, seconds), ...)} of Allreduces measured on this machine (step 1)
     measured: dict = None
+    # seconds per parameter value each time ZeRO-3 gathers a layer (forward, backward): its
+    # Python work beyond the collectives, a fresh full buffer filled, viewed and freed, a fresh
+    # full gradient (see mpipar.simulate); the full layer at any number of ranks
+    zero3_per_value: float = 0.0
 
     def collective_time(self, kind, n_bytes, p, alpha, beta):
         """One ``kind`` (allreduce, allgather, reduce_scatter) of n_bytes over p ranks: what
@@ -105,10 +109,11 @@ PRESETS = {
 
 def this_machine(flops, alpha, beta, memory=24 * 2**30, layer_overhead=0.0,
                  update_per_param=0.0, allreduce=None, name="this machine (measured)",
-                 measured=None):
+                 measured=None, zero3_per_value=0.0):
     """The build machine: every link is shared memory, so one alpha and beta serve all."""
     return Hardware(name, flops, alpha, beta, alpha, beta, memory, "FLOP rate, alpha, beta "
-                    "as measured", layer_overhead, update_per_param, allreduce, measured)
+                    "as measured", layer_overhead, update_per_param, allreduce, measured,
+                    zero3_per_value)
 
 
 def allreduce_table(rows):
@@ -121,10 +126,22 @@ def allreduce_table(rows):
     return {p: tuple(sorted(points)) for p, points in table.items()}
 
 
+def zero3_cost(folder=PLOTS):
+    """Seconds per value of ZeRO-3's gather work (``Hardware.zero3_per_value``) as
+    ``python -m mpipar.bench memory`` measured it (plots/memory_bench.csv's
+    ``zero3_ns_per_value``); 0 without it."""
+    try:
+        return next(float(r["zero3_ns_per_value"]) * 1e-9 for r in csv.DictReader(
+            open(folder / "memory_bench.csv")) if r.get("zero3_ns_per_value"))
+    except (OSError, StopIteration, ValueError):
+        return 0.0
+
+
 def measured_machine(flops=None, alpha=None, beta=None, folder=PLOTS):
     """``--hardware this``: one rank's GEMM rate alone (plots/flops.csv), the ping-pong's alpha
-    and beta and the measured Allreduces (plots/net.csv); a number given as a flag wins (alpha
-    or beta given: collectives by the formula with them); without the CSVs, the defaults."""
+    and beta and the measured Allreduces (plots/net.csv), ZeRO-3's gather work
+    (:func:`zero3_cost`); a number given as a flag wins (alpha or beta given: collectives by
+    the formula with them); without the CSVs, the defaults."""
     try:
         rate = next(float(r["gflops_per_rank"]) * 1e9 for r in csv.DictReader(
             open(folder / "flops.csv")) if r["ranks"] == r["computing"] == "1")
@@ -138,4 +155,4 @@ def measured_machine(flops=None, alpha=None, beta=None, folder=PLOTS):
     how += ", flags given" if {flops, alpha, beta} != {None} else ""
     return this_machine(f, a, b, name=f"this machine ({how}: {f / 1e9:.1f} GFLOP/s, alpha "
                                       f"{a * 1e6:.2f} us, beta {b * 1e9:.4f} ns/B)",
-                        measured=table)
+                        measured=table, zero3_per_value=zero3_cost(folder))

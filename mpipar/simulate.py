@@ -28,6 +28,12 @@ MPI's Allreduce cost at each size and rank count measured (:mod:`mpipar.hardware
   ZeRO-3 each layer's two allgathers and one reduce-scatter per micro-batch instead, and with
   ZeRO-1 to 3 an update of 1/d of the parameters (``--zero 0..3``; with d = 1 nothing is
   sharded);
+- ZeRO-3's work beyond its collectives (``Hardware.zero3_per_value``, measured by
+  ``python -m mpipar.bench memory`` on one rank: ZeRO-3's step less ZeRO-0's, divided by the
+  values it gathers, each layer twice per micro-batch): a fresh buffer of the full layer per
+  gather, filled, viewed and freed, and a fresh full gradient. It does not divide by d: the
+  buffers are the whole layer on any number of ranks; only the copies of a rank's own block
+  (the whole layer on one rank, 1/d of it on d) shrink, so on d > 1 it errs high by those;
 - recomputation (``--recompute [full|selective]``): full, one more forward in the backward;
   selective, attention's core again;
 - memory per rank: parameters, gradients, optimizer state (Adam: 2 values per parameter,
@@ -39,8 +45,7 @@ MPI's Allreduce cost at each size and rank count measured (:mod:`mpipar.hardware
   compute at each moment (:func:`shared_replay`).
 What it leaves out: overlap of communication with compute, kernel efficiency beyond "a FLOP
 rate plus a fixed cost per layer", contention of the links, the time ranks wait for one
-another at a collective (an allreduce measured back to back finds its partner ready), and
-ZeRO-3's Python work of gathering and freeing beyond its collectives.
+another at a collective (an allreduce measured back to back finds its partner ready).
 """
 
 import argparse
@@ -195,7 +200,8 @@ def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f
     softmax part, whose forward (the table's ``core``) the backward runs again. ``zero`` 3: each
     layer's parameters are allgathered twice and its gradient reduce-scattered once per
     micro-batch, in place of the one allreduce: each half an allreduce of the layer's bytes
-    (an allreduce is a reduce-scatter and an allgather), 1.5 allreduces in all.
+    (an allreduce is a reduce-scatter and an allgather), 1.5 allreduces in all, and its work
+    beyond them, ``hw.zero3_per_value`` per value of each gather (the full layer at any d).
     ``compute_share`` scales the FLOP rate when
     ranks share a core (oversubscription): one number for every moment, or a table
     {k: share while k ranks compute}, for which the pipeline is replayed with the cores shared
@@ -261,6 +267,9 @@ def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f
                                 for r in layers if r["params"] for kind in ZERO3_CALLS)
     # the optimizer update: of a stage's parameters, of 1/d of them with ZeRO-1
     update = max(stage_params) * hw.update_per_param / (dp if zero else 1) / compute_share
+    # ZeRO-3's own work per gather (twice per layer and micro-batch): the full layer at any d
+    update += (zero >= 3) * 2 * n_micro * stage_params[busiest] * hw.zero3_per_value \
+        / compute_share
     total = pipeline_time + dp_time + update
 
     compute = update + n_micro * (fwd[busiest] + bwd[busiest]

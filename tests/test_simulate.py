@@ -317,6 +317,36 @@ def test_zero3_adds_two_allgathers_and_a_reduce_scatter_per_layer_and_micro_batc
         three["dp_comm_s"] - two["dp_comm_s"], rel=1e-9)
 
 
+@pytest.mark.parametrize("dp", [1, 4])
+def test_zero3_gather_work_is_every_layers_values_twice_per_micro_batch_at_any_dp(dp):
+    """ZeRO-3's own work: 2 gathers per layer and micro-batch of the full layer, whatever d."""
+    spec = S.MLPSpec((256, 256, 256))
+    base, work = (S.predict(spec, S.this_machine(1e10, 1e-5, 1e-9, zero3_per_value=v), dp=dp,
+                            global_batch=64, n_micro=2, dtype_bytes=4, zero=3)
+                  for v in (0.0, 3e-9))
+    n = 2 * (256 * 256 + 256)
+    assert work["step_s"] - base["step_s"] == pytest.approx(2 * 2 * n * 3e-9, rel=1e-9)
+    assert work["compute_s"] - base["compute_s"] == pytest.approx(2 * 2 * n * 3e-9, rel=1e-9)
+    two = S.predict(spec, S.this_machine(1e10, 1e-5, 1e-9, zero3_per_value=3e-9), dp=dp,
+                    global_batch=64, n_micro=2, dtype_bytes=4, zero=2)
+    assert two["step_s"] == pytest.approx(S.predict(spec, S.this_machine(1e10, 1e-5, 1e-9), dp=dp,
+                                                    global_batch=64, n_micro=2, dtype_bytes=4,
+                                                    zero=2)["step_s"])  # ZeRO-2: no gathers
+
+
+def test_zero3_cost_is_the_one_rank_difference_over_the_values_gathered(tmp_path):
+    from mpipar.bench import memory as M
+
+    rows = [dict(experiment="zero", ranks=p, config=c, params="1000", step_ms=str(t))
+            for p, c, t in ((1, "ZeRO-0", 50.0), (1, "ZeRO-3", 53.0), (2, "ZeRO-3", 99.0),
+                            (1, "ZeRO-2", 70.0))]
+    assert M.zero3_cost(rows) == pytest.approx(3e-3 / (2 * 1 * 1000), rel=1e-12)
+    assert M.zero3_cost(rows[2:]) == 0.0  # no one-rank ZeRO-0 and ZeRO-3: no term
+    (tmp_path / "memory_bench.csv").write_text("config,zero3_ns_per_value\nZeRO-0,1.5\n")
+    assert H.zero3_cost(tmp_path) == pytest.approx(1.5e-9)
+    assert H.zero3_cost(tmp_path / "absent") == 0.0
+
+
 def test_selective_recomputation_adds_attention_core_and_keeps_the_rest():
     """GPT blocks of width 64 over 32 tokens, 4 rows: the backward runs attention's core (q k^T
     and p v, 4 b s^2 h FLOPs a block) once more; the stash loses the softmax term 5 a s/h only."""

@@ -29,7 +29,10 @@ records the load average when the run began (the machine may be shared).
 ``predicted_step_ms`` is the cost model's step time (:func:`add_predictions`): its FLOP rate
 fitted to the experiment's base configuration (ZeRO-0; recompute off) on as many ranks, so
 what it predicts is what ZeRO-3's per-layer allgathers and reduce-scatters and recomputation's
-extra forward add to that base; ``predicted_over_measured`` their ratio.
+extra forward add to that base; ``predicted_over_measured`` their ratio. ZeRO-3's work beyond
+its collectives (fresh full buffers per gather) is measured on one rank, where it sends
+nothing: ``zero3_ns_per_value`` (:func:`zero3_cost`), so its one-rank row matches by
+construction and its rows on 2 and 4 ranks test the term.
 """
 
 import os
@@ -146,12 +149,14 @@ def update_cost(experiment, repeats=7):
     return statistics.median(times[1:]) / sum(p.size for p in model.parameters())
 
 
-def predict_ms(experiment, config, ranks, rate, alpha, beta, update=0.0, measured=None):
+def predict_ms(experiment, config, ranks, rate, alpha, beta, update=0.0, measured=None,
+               gather=0.0):
     """The step time (ms) :func:`mpipar.simulate.predict` gives a configuration on ``ranks``
     ranks at ``rate`` FLOP/s: ZeRO's stage sets its traffic (ZeRO-3: 3 calls per layer, the
     others one allreduce's worth), --recompute its backward (full: one more forward; selective:
     attention's core once more). ``measured``: the Allreduces plots/net.csv timed
-    (:func:`mpipar.hardware.allreduce_table`), which price the collectives where they apply."""
+    (:func:`mpipar.hardware.allreduce_table`), which price the collectives where they apply;
+    ``gather``: ZeRO-3's seconds per value gathered (:func:`zero3_cost`)."""
     from mpipar import serial
     from mpipar import simulate as S
     from mpipar.cli import parse_args
@@ -162,11 +167,28 @@ def predict_ms(experiment, config, ranks, rate, alpha, beta, update=0.0, measure
         VOCAB[experiment, a.d_model] = serial.Task(a).data.vocab
     spec = S.GPTSpec(VOCAB[experiment, a.d_model], a.d_model, a.n_heads, a.n_layers, a.seq_len)
     dp, pp = (ranks, 1) if scheme == "data_parallel" else (1, ranks)
-    hw = S.this_machine(rate, alpha, beta, update_per_param=update, measured=measured)
+    hw = S.this_machine(rate, alpha, beta, update_per_param=update, measured=measured,
+                        zero3_per_value=gather)
     r = S.predict(spec, hw, dp, 1, pp, a.batch_size,
                   a.micro_batches, getattr(a, "schedule", "1f1b"), 4, getattr(a, "zero", 0),
                   a.recompute)
     return 1e3 * r["step_s"]
+
+
+def zero3_cost(rows):
+    """ZeRO-3's work beyond its collectives, in seconds per parameter value gathered
+    (``Hardware.zero3_per_value``): on one rank ZeRO-3 sends nothing, so its step less
+    ZeRO-0's, in the same launch, is the gathering into fresh full buffers, their views and
+    freeing, and the fresh full gradients, divided by the values gathered per step (every
+    layer twice per micro-batch: forward and backward). 0 without a one-rank ZeRO run."""
+    from mpipar.cli import parse_args
+
+    one = {r["config"]: r for r in rows if r["experiment"] == "zero" and int(r["ranks"]) == 1}
+    if "ZeRO-3" not in one or "ZeRO-0" not in one:
+        return 0.0
+    micro = parse_args("data_parallel", MODELS["zero"] + COMMON).micro_batches
+    extra = (float(one["ZeRO-3"]["step_ms"]) - float(one["ZeRO-0"]["step_ms"])) / 1e3
+    return max(extra, 0.0) / (2 * micro * int(one["ZeRO-3"]["params"]))
 
 
 def add_predictions(rows):
@@ -179,11 +201,11 @@ def add_predictions(rows):
     False); where ranks share cores the fitted rate holds their sharing too."""
     from mpipar.hardware import measured_machine
 
-    ping, updates = measured_machine(), {}
+    ping, updates, gather = measured_machine(), {}, zero3_cost(rows)
     for (experiment, ranks), group in _groups(rows).items():
         if experiment not in updates:
             updates[experiment] = update_cost(experiment)
-        links = (ping.net_alpha, ping.net_beta, updates[experiment], ping.measured)
+        links = (ping.net_alpha, ping.net_beta, updates[experiment], ping.measured, gather)
         base = next(r for r in group if r["config"] == BASE[experiment])
         # the step is C / rate + what does not compute (update, messages): fit C / rate to
         # what the base's measured time leaves beyond the rest
@@ -196,6 +218,7 @@ def add_predictions(rows):
             r["predicted_over_measured"] = round(r["predicted_step_ms"] / r["step_ms"], 3)
             r["fitted_gflops"] = round(rate / 1e9, 3)
             r["update_ns_per_param"] = round(updates[experiment] * 1e9, 3)
+            r["zero3_ns_per_value"] = round(gather * 1e9, 4)
 
 
 def _groups(rows):
