@@ -12,7 +12,11 @@ MPI's Allreduce cost at each size and rank count measured (:mod:`mpipar.hardware
 - compute: each layer's forward FLOPs from :func:`mpipar.plan.layer_flops` (backward
   counted as twice the forward), divided over the tensor-parallel ranks, plus a fixed time
   per layer and micro-batch that does not divide (``Hardware.layer_overhead``), and the
-  optimizer update, which grows with a stage's parameters (``Hardware.update_per_param``);
+  optimizer update, which grows with a stage's parameters (``Hardware.update_per_param``).
+  The rate is that of a rank while the ranks it works with compute too: ranks that share a
+  machine's cores and memory run slower together than one alone (``compute_share``); for
+  tensor parallelism on this machine it is measured directly, on one rank's block timed while
+  its partner runs its own at the same moment (:func:`mpipar.validate.tp_calibration`);
 - tensor-parallel communication: per transformer block and micro-batch, 2 allreduces forward and
   2 backward of b*s*h elements (Megatron-LM); for a whole GPT one more each in the embedding
   and the head, and 3 of b*s in the loss. Every collective (these, and the data-parallel and

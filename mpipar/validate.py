@@ -4,7 +4,9 @@ the prediction of :mod:`mpipar.simulate` beside every configuration they measure
     python -m mpipar.report --plots-only   # rewrites plots/model_validation.csv and .png
 
 What it reads, all written by the same ``make report`` run: each benchmark's one-rank steps
-(the FLOP rate of its own model), the optimizer update (:func:`update_cost`, timed here once per
+(the FLOP rate of its own model; for tensor parallelism on 2 ranks, the one-rank block timed
+while the other rank computes its own, since two ranks computing at once run slower than one
+alone: :func:`tp_calibration`), the optimizer update (:func:`update_cost`, timed here once per
 run and kept in plots/update_cost.csv), the share of a core k computing ranks get
 (plots/flops.csv), alpha and beta from the ping-pong, and what an allreduce between
 computations costs with more ranks than cores (the lockstep rows of plots/net.csv). Run it
@@ -44,6 +46,26 @@ def fit_power(flops, seconds):
         if coef[1] > 0 and (best is None or err < best[0]):
             best = (err, max(float(coef[0]), 0.0), float(coef[1]), float(e))
     return best[1:]
+
+
+def tp_calibration(ones, ranks, share, flops_of, update_of):
+    """(fixed, a, e, share): a tensor-parallel rank's compute on ``ranks`` ranks is
+    fixed + a (F / ranks)^e / share, from :func:`fit_power` over the one-rank rows ``ones`` of
+    plots/tp.csv (one step shape), each less its update (``update_of``; ``flops_of`` its FLOPs).
+
+    One rank (P = 1): the one-rank block's step times (``step_ms``), share 1. P > 1: the same
+    block timed while the other rank runs its own at the same moment, between the same
+    barriers, with no messages (``step_both_ms``): both ranks computing at once on shared
+    cores and memory run slower than one alone, by more than plots/flops.csv's share says for
+    one large product timed at another moment; these times hold that slowdown, measured in the
+    same rounds as the P = 2 steps, so the share is 1. A CSV written without that column
+    falls back to the idle-partner times scaled by ``share`` (flops.csv's), the earlier method."""
+    column = "step_ms"
+    if ranks > 1 and ones and ones[0].get("step_both_ms") not in (None, ""):
+        column, share = "step_both_ms", 1.0
+    fit = fit_power([flops_of(x) for x in ones],
+                    [_f(x, column) / 1e3 - update_of(x) for x in ones])
+    return (*fit, share if ranks > 1 else 1.0)
 
 
 UPDATE_CSV = "update_cost.csv"  # the update times of the run, kept for --plots-only
@@ -131,7 +153,9 @@ def validation_rows():
     which every replica or stage does whole; a tensor-parallel rank updates its shards: the
     update's cost per value divides, its cost per call does not), with, for tensor
     parallelism, a fixed cost per step and a rate that grows with the size of the products
-    (:func:`fit_power`, fitted over the sizes, taken at the size of one rank's share), scaled by
+    (:func:`fit_power`, fitted over the sizes, taken at the size of one rank's share); on 2
+    ranks fitted to the one-rank block timed while the other rank computes its own at the same
+    moment (:func:`tp_calibration`). Elsewhere the rate is scaled by
     plots/flops.csv for the ranks computing at once: every rank where they all compute
     together, and, with more ranks than cores, by how many compute at each moment of the
     pipeline replay (:func:`mpipar.simulate.shared_replay`). alpha and beta come from the
@@ -235,23 +259,22 @@ def validation_rows():
     per_call = max(fit_alpha_beta(list(n_values.values()), list(t_update.values()))[0], 0.0)
     tp_param = {h: max(t_update[h] - per_call, 0.0) / n_values[h] for h in t_update}
 
-    fits = {}  # batch -> (fixed, a, e) fitted to that step shape's one-rank steps
+    fits = {}  # (batch, ranks) -> (fixed, a, e, share) from that step shape's one-rank blocks
     for r in tp:
         h, b, s, p = int(r["hidden"]), int(r["batch"]), int(r["seq"]), int(r["ranks"])
         spec = block(r)
-        if b not in fits:
-            ones = [x for x in tp if x["batch"] == r["batch"] and x["ranks"] == "1"]
-            fits[b] = fit_power(
-                [3 * S.layer_table(block(x), b)[0]["flops"] for x in ones],
-                [_f(x, "step_ms") / 1e3 - tp_param[int(x["hidden"])] * n_values[int(x["hidden"])]
-                 for x in ones])
-        fixed, scale, power = fits[b]
+        if (b, p) not in fits:  # P = 2: as fast as one rank computes while its partner does
+            fits[b, p] = tp_calibration(
+                [x for x in tp if x["batch"] == r["batch"] and x["ranks"] == "1"], p, shared[p],
+                lambda x: 3 * S.layer_table(block(x), int(x["batch"]))[0]["flops"],
+                lambda x: tp_param[int(x["hidden"])] * n_values[int(x["hidden"])])
+        fixed, scale, power, share = fits[b, p]
         work = 3 * S.layer_table(spec, b)[0]["flops"] / p  # one rank's share
         rate = work / (scale * work**power)  # the rate at the size of a rank's products
         hw = machine(rate, p, _f(r, "alpha"), _f(r, "beta"),
                      layer_overhead=fixed / 3,  # one block: forward + 2 x backward
                      update_per_param=tp_param[h])
-        pred = S.predict(spec, hw, tp=p, global_batch=b, dtype_bytes=4, compute_share=shared[p])
+        pred = S.predict(spec, hw, tp=p, global_batch=b, dtype_bytes=4, compute_share=share)
         out.append(dict(bench="tp", config=f"h={h}, b={b}, s={s}, P={p}", ranks=p,
                         measured_ms=_f(r, "step_ms"), predicted_ms=pred["step_s"] * 1e3))
     # hybrid: the course's GPT on every layout of 4 ranks, rate from the serial step

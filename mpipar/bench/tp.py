@@ -20,6 +20,13 @@ timeline (mpipar.trace) per step:
   communication share. It includes waiting for the other rank.
 - comm_min: the same, the MINIMUM over ranks: the rank that arrives last waits only for the
   data; this is the number to set beside the alpha-beta prediction.
+- step_both: the one-rank block (a communicator of one) timed while the other rank runs its
+  own one-rank block at the same moment, between the same barriers, no messages between them
+  (the slowest rank's time; half the batch of steps, in every other round). Two ranks
+  computing at once on shared cores and memory run slower than one rank alone; this is what a
+  P = 2 rank computes at, so the cost model (mpipar.validate) takes its rate for P = 2 from
+  these times, measured in the same rounds as P = 1 and P = 2 so that a slow spell hits all
+  three.
 
 The prediction (the cost model of lessons/formulas.md#collectives): alpha and beta from a
 ping-pong in the same run and gamma from a NumPy add (:mod:`mpipar.bench.net`); an Allreduce of
@@ -59,6 +66,9 @@ QUICK_HIDDEN = [32, 64, 128, 256, 512]
 SHAPES = [(4, 64), (1, 16)]  # (batch, sequence): a training-sized step, and a small one
 HEAD_DIM = 16  # heads = h / 16, so attention's work grows with h like the rest
 N_ALLREDUCE = 4  # per block and step: 2 forward (row-parallel outputs), 2 backward (f)
+BOTH = "both"  # the configuration of every rank running its own one-rank block at once
+BOTH_BUDGET = 0.5  # its share of --budget per round (its time is a median, like the others)
+BOTH_EVERY = 2  # timed in every other round: the bench grows by about a third, not a half
 
 
 def heads_for(h):
@@ -76,7 +86,8 @@ def block_flops(h, b, s):
 # ----------------------------------------------------------------------------- worker (mpirun)
 def worker(hidden, repeats, budget):
     """On 2 ranks: per shape and hidden size, P = 1 (rank 0 alone, on a communicator of
-    itself, while rank 1 sleeps in a barrier) and P = 2. Every configuration is timed once per
+    itself, while rank 1 sleeps in a barrier), P = 2, and "both": each rank its own one-rank
+    block at the same moment, no messages between them. Every configuration is timed once per
     round and the rounds repeat, so a burst of other work on the machine spoils one sample of
     many configurations rather than every sample of one."""
     from mpi4py import MPI
@@ -109,20 +120,25 @@ def worker(hidden, repeats, budget):
 
         return step
 
-    configs = [(b, s, h, p) for b, s in SHAPES for h in hidden for p in (1, 2)]
+    configs = [(b, s, h, p) for b, s in SHAPES for h in hidden for p in (1, 2, BOTH)]
     steps, iters = {}, {}
     for b, s, h, p in configs:
-        if p == 2 or tp_comm.rank == 0:  # P = 1 runs on rank 0 only
+        if p == BOTH:  # every rank its own one-rank block (rank 0 the one it timed alone)
+            steps[b, s, h, p] = steps.get((b, s, h, 1)) or make_step(h, b, s, alone)
+        elif p == 2 or tp_comm.rank == 0:  # P = 1 runs on rank 0 only
             steps[b, s, h, p] = make_step(h, b, s, alone if p == 1 else tp_comm)
         t0 = MPI.Wtime()
         for _ in range(2 if (b, s, h, p) in steps else 0):  # warm-up and a first estimate
             steps[b, s, h, p]()
         estimate = max(tp_comm.allgather_obj((MPI.Wtime() - t0) / 2))
-        iters[b, s, h, p] = max(1, int(budget / estimate))  # the same count on every rank
-    samples = {c: [] for c in configs}
-    for _ in range(repeats):
+        share = BOTH_BUDGET if p == BOTH else 1.0  # a shorter batch of steps
+        iters[b, s, h, p] = max(1, int(share * budget / estimate))  # the same on every rank
+    samples = {c: [] for c in configs}  # every configuration once per round, in turn
+    for rep in range(repeats):
         for c in configs:
             n, p = iters[c], c[3]
+            if p == BOTH and rep % BOTH_EVERY:
+                continue  # its largest sizes run a step per round whatever the budget
             tp_comm.Barrier()
             TRACE.clear()
             t0 = MPI.Wtime()
@@ -134,14 +150,17 @@ def worker(hidden, repeats, budget):
                 C.WAIT, wait = "sleep", C.WAIT
                 tp_comm.Barrier()
                 C.WAIT = wait
-            both = tp_comm.allgather_obj((t, comm))[:p]
+            both = tp_comm.allgather_obj((t, comm))[:2 if p == BOTH else p]
             samples[c].append((max(v for v, _ in both), [v for _, v in both]))
     if tp_comm.rank == 0:
         for (b, s, h, p), got in samples.items():
+            if p == BOTH:
+                continue  # written beside P = 1 and P = 2, as step_both_s
             emit({"batch": b, "seq": s, "hidden": h, "ranks": p, "iters": iters[b, s, h, p],
                   "step_s": statistics.median(t for t, _ in got),
                   "comm_s": statistics.median(float(np.mean(c)) for _, c in got),
-                  "comm_min_s": statistics.median(min(c) for _, c in got)})
+                  "comm_min_s": statistics.median(min(c) for _, c in got),
+                  "step_both_s": statistics.median(t for t, _ in samples[b, s, h, BOTH])})
 
 
 # ----------------------------------------------------------------------------- model
@@ -315,6 +334,7 @@ def main(argv=None):
                     predicted_speedup=t1_fit / pred[p], allreduce_bytes=allreduce_bytes(h, b, s),
                     alpha=alpha, beta=beta, gamma=gamma, fit_c0_ms=c0 * 1e3,
                     fit_c1_us=fit[1] * 1e6, fit_c2_ns=fit[2] * 1e9,
+                    step_both_ms=m["step_both_s"] * 1e3,
                     gflops=F / m["step_s"] / 1e9, load_before=load_before,
                     load_after=load_after,
                     measured_crossover_hidden=cross_m, predicted_crossover_hidden=cross_p))
