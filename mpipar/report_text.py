@@ -287,9 +287,7 @@ def cost_model_section(validation):
     worst_over = sorted(over, key=lambda r: -abs(r["error"]))[:2]
     return [
         "## The cost model against the measurements",
-        "",
-        "![cost model](model_validation.png)",
-        "",
+        "", "![cost model](model_validation.png)", "",
         f"`python -m mpipar.simulate` predicts {len(fair_inside)} of the {len(fair)} "
         "benchmarked configurations that have a core per rank within 20% of their measured step "
         f"time, and {len(inside)} of all {len(validation)} (`model_validation.csv`). Its inputs "
@@ -297,9 +295,11 @@ def cost_model_section(validation):
         "the optimizer update, which does not divide, `update_cost.csv`; for tensor "
         "parallelism a rate that grows with the size of the products, fitted over the sizes, "
         "so that a rank's half-size products run at their own rate), scaled by `flops.csv` for "
-        "the ranks "
-        "computing at once; alpha and beta from the ping-pong; the pipeline's time comes from "
-        "replaying the actual schedule. The largest misses with a core per rank: " + "; ".join(
+        "the ranks computing at once (2-rank tensor parallelism: fitted instead to its one-rank "
+        "block timed while the other rank runs its own, `tp.csv` step_both_ms); each collective "
+        "at what the same call measured (`net.csv`), alpha and beta from the ping-pong beyond "
+        "it; the pipeline's time comes from replaying the actual schedule. The largest misses "
+        "with a core per rank: " + "; ".join(
             f"{r['bench']} {r['config']}: predicted {r['predicted_ms']:.2f} ms, measured "
             f"{r['measured_ms']:.2f} ms ({100 * r['error']:+.0f}%)" for r in worst) + ". "
         f"With more ranks than cores, {len(over_inside)} of {len(over)} are within 20%. There "
