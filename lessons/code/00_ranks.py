@@ -22,8 +22,9 @@ half = world.Split(color=color, key=rank)
 line = (f"world rank {rank}: {('even', 'odd')[color]} group, "
         f"rank {half.Get_rank()} of {half.Get_size()}")
 lines = world.gather(line, root=0)  # a few words: the pickled (lower-case) call is fine here
-if rank == 0:
-    print("\n".join(lines), flush=True)
+if rank == 0:  # one write too: print() writes the text and its newline apart when unbuffered
+    sys.stdout.write("\n".join(lines) + "\n")
+    sys.stdout.flush()
 
 assert half.Get_rank() == rank // 2
 assert half.Get_size() == (size + 1 - color) // 2
