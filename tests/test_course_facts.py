@@ -141,8 +141,8 @@ def test_lesson_4_exercise_6_crossover_is_in_the_data():
     # 1 x 16 tokens: the crossover the exercise asks for lies inside the measured widths
     small = two["16"]
     widths = [int(r["hidden"]) for r in small]
-    for column in ("predicted_crossover_hidden", "measured_crossover_hidden"):
-        assert min(widths) < int(small[0][column]) < max(widths), column
+    for column in ("predicted_crossover_hidden", "measured_crossover_hidden"):  # the model's
+        assert min(widths) <= int(small[0][column]) < max(widths), column  # may be the first
     speedup = {int(r["hidden"]): float(r["speedup"]) for r in small}
     below = max(h for h in speedup if h <= int(small[0]["measured_crossover_hidden"]))
     above = min(h for h in speedup if h > below)
@@ -270,8 +270,9 @@ def test_lesson_9_link_numbers_are_the_csv():
     errors = {key: float(r["prediction_error"]) for key, r in dp.items()}
     worst = min(errors, key=errors.get)
     assert all(-0.2 <= e < 0 for e in errors.values()), errors  # within 20%, all below
-    assert f"({100 * errors[worst]:+.0f}% at worst, one Allreduce at " \
-           f"{format_rate(parse_rate(worst[0]))})" in text and worst[1] == "allreduce"
+    how = "one Allreduce" if worst[1] == "allreduce" else "with overlap"
+    assert f"({100 * errors[worst]:+.0f}% at worst, {how} at " \
+           f"{format_rate(parse_rate(worst[0]))})" in text
 
 
 # ----------------------------------------------------------------------------- README
