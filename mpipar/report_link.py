@@ -17,6 +17,8 @@ from mpipar.bench.common import csv_float as _f
 from mpipar.cluster import burst_bytes, format_rate, parse_rate
 
 MODES = ("allreduce", "allreduce+overlap")  # mpipar.bench.link.MODES, without importing MPI
+SCHEMES = {"data parallelism, the other sync modes": ("master", "ring"),  # link.OTHERS
+           "tensor parallelism": ("tensor_parallel",), "pipeline": ("pipeline",)}
 TARGET = 0.2  # the prediction's target: within 20% of the measured step
 
 
@@ -43,6 +45,20 @@ def crossover_bits(rows, p=2):
     return 2 * (p - 1) / p * 8 * _f(r, "bytes") / _f(r, "compute_seconds")
 
 
+def outlasts_bits(rows, mode):
+    """The rate (bits/s) below which one mode's predicted communication (predicted step less
+    compute) outlasts its compute: that communication is a + b / R at the two slowest limited
+    rates of link.csv (a line through them in 1/R), set equal to the compute. None where the
+    latency part a alone outlasts it, or the bytes' part b is not positive."""
+    mine = sorted((r for r in rows if r["kind"] in ("dp", "scheme") and r["mode"] == mode
+                   and parse_rate(r["bandwidth"])), key=lambda r: _bits(r["bandwidth"]))[:2]
+    (x1, c1), (x2, c2) = ((1 / _bits(r["bandwidth"]),
+                           _f(r, "predicted_seconds") - _f(r, "compute_seconds")) for r in mine)
+    b = (c1 - c2) / (x1 - x2)
+    a, compute = c1 - b * x1, _f(mine[0], "compute_seconds")
+    return b / (compute - a) if compute > a and b > 0 else None
+
+
 def _ms(row, key):
     return f"{_f(row, key) * 1e3:.0f}"
 
@@ -66,6 +82,73 @@ def _table(rows):
     return lines
 
 
+def _scheme_tables(rows):
+    """A table per scheme of bench link's second table: per rate and mode the measured step,
+    its exposed communication, the prediction (error) and the compute it starts from."""
+    at = {(r["bandwidth"], r["mode"]): r for r in rows if r["kind"] == "scheme"}
+    _, rates = dp_rows(rows)
+    lines = []
+    for scheme, modes in SCHEMES.items():
+        lines += [f"*{scheme}*", "", "| link | " + " | ".join(
+            f"{m}: step, exposed, predicted (error)" for m in modes) + " |",
+            "|---|" + "---|" * len(modes)]
+        lines += [f"| {format_rate(parse_rate(rate))} | " + " | ".join(
+            f"{_ms(r, 'seconds')} ms, {_ms(r, 'exposed_seconds')} ms, "
+            f"{_ms(r, 'predicted_seconds')} ms ({100 * _f(r, 'prediction_error'):+.0f}%)"
+            for r in (at[rate, m] for m in modes)) + " |" for rate in rates]
+        lines.append("")
+    return lines
+
+
+def _dominates(rows):
+    """Per mode, the compute and the rate below which its communication outlasts it."""
+    said = []
+    for r in (r for r in rows if r["kind"] == "scheme" and r["bandwidth"] == r["compute_from"]):
+        bits = outlasts_bits(rows, r["mode"])
+        said.append(f"{r['mode']} ({_ms(r, 'compute_seconds')} ms of compute, "
+                    f"{_f(r, 'bytes') / 1e6:.2f} MB per step): "
+                    + (f"below {bits / 1e6:.0f} Mbit/s" if bits else "at every rate"))
+    return "; ".join(said)
+
+
+def _schemes(rows):
+    """The part on the other sync modes and schemes ([] in a link.csv without them)."""
+    if not any(r["kind"] == "scheme" for r in rows):
+        return []
+    at = {r["mode"]: r for r in rows if r["kind"] == "scheme"}
+    tp, pp = at["tensor_parallel"], at["pipeline"]
+    return [
+        "The same link under the other schemes (bench link's second table, 2 ranks, one per "
+        f"host): data parallelism's master (the seed's Reduce to rank 0 + Bcast) and "
+        f"hand-written ring on the same MLP; tensor parallelism on a GPT ({tp['messages']} "
+        f"Allreduces, {_f(tp, 'bytes') / 1e6:.2f} MB per step, counted from the trace); a "
+        f"2-stage 1F1B pipeline on a GPT ({pp['messages']} messages, "
+        f"{_f(pp, 'bytes') / 1e6:.2f} MB per stage and step).",
+        "",
+        *_scheme_tables(rows),
+        "Their predictions (`mpipar.bench.link`): master = compute + 2 (alpha + n beta), a "
+        "Reduce and a Bcast of the n gradient bytes (2 lg p (alpha + n beta) for p ranks); "
+        "ring = compute + 2(p-1) alpha + 2(p-1)/p n beta; tensor parallel = its compute (the "
+        "step less its MPI time at "
+        f"{format_rate(parse_rate(tp['compute_from']))}) + each Allreduce of the trace at the "
+        "ring formula; pipeline = the 1F1B schedule replayed by `mpipar.schedules.simulate` "
+        f"with each stage's forward and backward measured at "
+        f"{format_rate(parse_rate(pp['compute_from']))} and alpha + n beta per message, plus "
+        "what the step does outside the schedule. The replay lets messages in the same "
+        "direction pass the link at once, where the link carries them one after another: "
+        "where a message takes longer than a forward it undercounts. What the pipeline does "
+        "outside its schedule is its step less the replay at "
+        f"{format_rate(parse_rate(pp['compute_from']))}, so there its prediction is its step by "
+        "construction. " + _misses(rows, "scheme"),
+        "",
+        "Where communication starts to dominate (the rate below which the predicted "
+        "communication the step waits for, a + b/R through the predictions at the two slowest "
+        "rates, outlasts the compute; below the slowest rate, extrapolated): "
+        + _dominates(rows) + ".",
+        "",
+    ]
+
+
 def _why(r):
     """Why one prediction missed, from its row: the compute of that rate's own steps, or the
     communication they exposed, whichever differs more from what the prediction assumed
@@ -85,10 +168,11 @@ def _why(r):
                    "library's Allreduce over it) was slower than the ping-pong's beta says")
 
 
-def _misses(rows):
-    """How many predictions are within the target; why each other one is not."""
-    dp, _ = dp_rows(rows)
-    missed = [r for r in dp.values() if abs(_f(r, "prediction_error")) > TARGET]
+def _misses(rows, kind="dp"):
+    """How many predictions (of one kind of row) are within the target; why each other one
+    is not."""
+    dp = [r for r in rows if r["kind"] == kind]
+    missed = [r for r in dp if abs(_f(r, "prediction_error")) > TARGET]
     said = f"{len(dp) - len(missed)} of the {len(dp)} predictions are within 20% of the step. "
     if not missed:
         return said
@@ -155,4 +239,5 @@ def link_section(note=None, folder=PLOTS):
                                  "is little to hide." if _f(dp[rates[0], MODES[1]], "seconds")
                                  > _f(first, "seconds") else "."),
         "",
+        *_schemes(rows),
     ]

@@ -153,6 +153,44 @@ def test_link_prediction_is_the_ring_formula():
     assert link.predict_step(0.2, [(0.05, 4_000_000)], alpha, 1e-9, 0.15) == 0.2
 
 
+def test_link_predictions_of_the_other_schemes():
+    """bench link's other predictions, fed numbers: master = compute + 2 lg p (alpha + n beta)
+    (a Reduce and a Bcast through one root), the hand-written ring = the ring formula; tensor
+    parallelism = compute + each traced Allreduce at the ring formula; the pipeline = the
+    1F1B replay with alpha + n beta per message, plus the messages past the micro-batches'."""
+    from mpipar.report_link import outlasts_bits
+
+    alpha, beta, n = 1e-4, 1e-8, 8_000_000
+    assert link.predict_sync(0.2, n, "master", alpha, beta) == pytest.approx(
+        0.2 + 2 * (alpha + n * beta))
+    assert link.predict_sync(0.2, n, "master", alpha, beta, p=4) == pytest.approx(
+        0.2 + 4 * (alpha + n * beta))
+    assert link.predict_sync(0.2, n, "ring", alpha, beta) == pytest.approx(
+        0.2 + 2 * alpha + n * beta)
+    calls = [("Allreduce", 2**20)] * 10 + [("Allreduce", 4096)] * 3
+    assert link.predict_tp(0.1, calls, alpha, beta) == pytest.approx(
+        0.1 + 10 * (2 * alpha + 2**20 * beta) + 3 * (2 * alpha + 4096 * beta))
+    with pytest.raises(ValueError, match="Allgather"):
+        link.predict_tp(0.1, calls + [("Allgather", 8)], alpha, beta)
+    # one micro-batch: F on stage 0, its 2 messages, F and B on stage 1, 2 messages back, B on
+    # stage 0; then the loss's 8 B message
+    one = [("Send", 80), ("Send", 1000)]
+    pp = link.predict_pp(0.005, [0.01, 0.01], [0.02, 0.02], 1, [one, one + [("Send", 8)]],
+                         1e-3, 1e-6)
+    assert pp == pytest.approx(0.005 + 2 * 0.03 + 2 * (2e-3 + 1080e-6) + 1e-3 + 8e-6)
+    # four micro-batches, free messages: (m + p - 1)(F + B); on a link, 4 crossings of
+    # 1.08 ms lie on 1F1B's critical path at p = 2
+    four = [one * 4, one * 4 + [("Send", 8)]]
+    assert link.predict_pp(0.0, [0.01] * 2, [0.02] * 2, 4, four, 0.0, 0.0) == pytest.approx(0.15)
+    assert link.predict_pp(0.0, [0.01] * 2, [0.02] * 2, 4, four, 0.0, 1e-6) == pytest.approx(
+        0.15 + 4 * 1080e-6 + 8e-6)
+    # the rate below which communication a + b/R outlasts the compute C: R = b / (C - a)
+    rows = [{"kind": "scheme", "mode": "x", "bandwidth": rate, "compute_seconds": "0.1",
+             "predicted_seconds": str(0.1 + 0.01 + 8e6 / bits)}
+            for rate, bits in (("none", float("inf")), ("1gbit", 1e9), ("100mbit", 1e8))]
+    assert outlasts_bits(rows, "x") == pytest.approx(8e6 / 0.09)
+
+
 # ----------------------------------------------------------------------------- bad input
 BAD = {
     "a bandwidth that is no rate": (["--bandwidth", "fast"], 4, "'fast' is not a rate"),

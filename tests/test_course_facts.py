@@ -275,6 +275,28 @@ def test_lesson_9_link_numbers_are_the_csv():
            f"{format_rate(parse_rate(worst[0]))})" in text
 
 
+def test_lesson_9_other_schemes_are_the_csv():
+    """Lesson 9's paragraph on the other schemes across the link quotes plots/link.csv's rows
+    of kind "scheme": the 100 Mbit/s steps, the bytes per step, the rate below which each
+    scheme's predicted communication outlasts its compute, and the worst prediction."""
+    from mpipar.report_link import outlasts_bits
+
+    link = rows("link.csv")
+    at = {(r["bandwidth"], r["mode"]): r for r in link if r["kind"] == "scheme"}
+    text = flat(lesson("09").split("**The other schemes across the same link**")[1])
+    modes = ("master", "ring", "tensor_parallel", "pipeline")
+    for mode in modes:
+        assert f"about {outlasts_bits(link, mode) / 1e6:.0f} Mbit/s" in text, mode
+        step = float(at["100mbit", mode]["seconds"]) * 1e3
+        assert f"{step:.0f} ms at 100 Mbit/s" in text, (mode, step)
+    tp, pp = at["none", "tensor_parallel"], at["none", "pipeline"]
+    assert f"{tp['messages']} Allreduces, {float(tp['bytes']) / 1e6:.2f} MB per step" in text
+    assert f"{float(pp['bytes']) / 1e6:.2f} MB per stage and step" in text
+    errors = [float(r["prediction_error"]) for r in at.values()]
+    worst = max(errors, key=abs)
+    assert f"{100 * worst:+.0f}% at worst" in text and max(map(abs, errors)) <= 0.2, errors
+
+
 # ----------------------------------------------------------------------------- README
 def test_readme_claims_only_what_the_tests_prove():
     text = flat((ROOT / "README.md").read_text())

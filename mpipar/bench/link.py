@@ -1,5 +1,6 @@
 """The link between emulated hosts (mpipar.cluster), measured: a ping-pong across hosts beside
-one within a host, and a data-parallel training step, at several bandwidths of the link.
+one within a host, and the training steps of data, tensor and pipeline parallelism across it,
+at several bandwidths of the link.
 
     sudo python -m mpipar.bench.link               # link.csv in --out, every rate of --rates
     mpirun -n 4 python -m mpipar.bench.link --pingpong    # the ping-pong alone, on any mpirun
@@ -12,12 +13,17 @@ one within a host, and a data-parallel training step, at several bandwidths of t
    Bare mpi4py ``Send``/``Recv`` of NumPy buffers: this measures the link, not mpipar.comm's
    bookkeeping (``python -m mpipar.bench net`` measures that). The ranks outside the pair
    wait in an ``Ibarrier`` polled with sleeps, so that they leave the cores to the pair.
-2. A data-parallel step (hidden ``--worker dp``, 2 ranks, one per host): the MLP of
+2. The steps (hidden ``--worker dp``, 2 ranks, one per host): a data-parallel step: the MLP of
    :mod:`mpipar.bench.dp` (2.2 M parameters, 8.7 MB of float32 gradients, batch 1024), with
    one Allreduce after the backward (``--sync allreduce``) and with 2 MiB buckets whose
    Iallreduces start during the backward (``--bucket-mb 2 --overlap``). Per step the slowest
    rank's time and the exposed communication (the step's "sync" spans, mpipar.trace, the mean
-   over ranks), for ``--rounds`` steps after one to warm up.
+   over ranks), for ``--rounds`` steps after one to warm up. Then, in the same launch (the
+   second table), the seed's master sync (Reduce to rank 0 + Bcast) and the hand-written ring
+   on the same MLP, a tensor-parallel step of a GPT (2 ranks, one per host: every Allreduce
+   crosses the link) and a 2-stage 1F1B pipeline of a GPT (:data:`SCHEMES`), each built from
+   its flags as the runner builds it; the MPI calls' spans and bytes come from the trace
+   (``TRACE.calls``), the pipeline's forward and backward from its instructions' spans.
 3. The driver: for each rate of ``--rates`` (none: no limit), a cluster of 2 emulated hosts
    with that link, 1. on 4 ranks (2 per host) and 2. on 2 ranks; ``--passes`` times over the
    rates, rate after rate, so that other work on the machine hits every rate alike. A table
@@ -32,7 +38,12 @@ one within a host, and a data-parallel training step, at several bandwidths of t
    launch more. With overlap each bucket's Allreduce starts when it was posted at the
    unlimited rate (the step's own timeline, from the trace) or when the bucket before it is
    done, and the step waits for what is left after its backward ends. The error is
-   predicted / measured - 1.
+   predicted / measured - 1. The second table's (lessons/formulas.md#collectives): master
+   and ring, :func:`predict_sync`; tensor parallelism, :func:`predict_tp` (the step less its
+   MPI time + each traced Allreduce at the ring formula); the pipeline, :func:`predict_pp`
+   (the schedule replayed by :func:`mpipar.schedules.simulate` with the unlimited rate's
+   stage times and alpha + n beta per message). The compute is the unlimited rate's, as
+   above.
 
 The emulated hosts share this machine's cores: the step times are those of 2 ranks on its
 cores, and what the rates change is the link alone. Needs root (:func:`cluster.unavailable`).
@@ -40,6 +51,7 @@ cores, and what the rates change is the link alone. Needs root (:func:`cluster.u
 
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -51,7 +63,15 @@ from mpipar import cluster
 from mpipar.bench.common import ONE_THREAD, bench_parser, environment, write_csv, wrote
 
 SIZES = (8, 2**20)  # bytes: the latency, and a message long enough for the bandwidth
-MODES = ("allreduce", "allreduce+overlap")  # of mpipar.bench.dp.MODES
+MODES = ("allreduce", "allreduce+overlap")  # of mpipar.bench.dp.MODES: lesson 9's table
+SYNC = ("master", "ring")  # the other sync modes of mpipar.bench.dp.MODES, in the second table
+SCHEMES = {  # the flags of each scheme's step across the link (2 ranks, one per host)
+    "tensor_parallel": ["--model", "gpt", "--d-model", "256", "--n-layers", "2", "--seq-len",
+                        "64", "--batch-size", "8", "--dtype", "float32", "--quiet"],
+    "pipeline": ["--model", "gpt", "--d-model", "256", "--n-layers", "2", "--seq-len", "64",
+                 "--batch-size", "16", "--micro-batches", "4", "--schedule", "1f1b",
+                 "--dtype", "float32", "--timeline", "none", "--quiet"],
+}
 PAIR = re.compile(r"rank 0 \((\S+)\) <-> rank (\d+) \((\S+)\), (same host|across hosts): +"
                   r"8 B +([\d.]+) us \(least ([\d.]+)\), 1 MiB +([\d.]+) ms \(least ([\d.]+)\)")
 
@@ -117,7 +137,9 @@ def pingpong(repeats):
 
 
 def dp_worker(rounds):
-    """Time a data-parallel step of each of :data:`MODES`; rank 0 emits one result per mode."""
+    """Time a data-parallel step of each of :data:`MODES` and :data:`SYNC`, then the steps of
+    :data:`SCHEMES` (:func:`scheme_steps`, in the same launch); rank 0 emits one result per
+    mode and scheme."""
     from mpi4py import MPI
 
     from mpipar import comm as C
@@ -134,7 +156,7 @@ def dp_worker(rounds):
     bench_dp.steady_heap()
     grid = Grid(dp=C.world().size)
     task = None
-    for mode in MODES:
+    for mode in MODES + SYNC:
         args = parse_args("data_parallel", bench_dp.MODEL + bench_dp.MODES[mode], grid.dp_size)
         task = serial.Task(args, task and task.data)
         trainer = trainer_class("data_parallel", args)(task, grid, args)
@@ -152,7 +174,51 @@ def dp_worker(rounds):
                             [max(b) for b in zip(*(v[3] for v in per_rank))]))
         if grid.dp_comm.rank == 0:
             emit({"mode": mode, "samples": samples, "grad_bytes": trainer.flat.nbytes,
-                  "buckets": [b.flat.nbytes for b in trainer.sync.buckets]})
+                  "buckets": [b.flat.nbytes for b in getattr(getattr(trainer, "sync", None),
+                                                               "buckets", [])]})
+    for scheme in SCHEMES:
+        scheme_steps(scheme, rounds)
+
+
+def scheme_steps(scheme, rounds):
+    """Time a tensor-parallel or pipeline step (:data:`SCHEMES`) on the 2 ranks; rank 0 emits
+    per step the slowest rank's time, each rank's MPI time (the "comm" spans: for the pipeline
+    its receives and the final waits on its sends) and, from rank 0's first timed step, every
+    MPI call's (op, bytes); for the pipeline also each stage's forward and backward spans."""
+    from mpi4py import MPI
+
+    from mpipar import comm as C
+    from mpipar import serial
+    from mpipar.bench.common import emit
+    from mpipar.cli import parse_args
+    from mpipar.grid import Grid
+    from mpipar.trace import TRACE
+    from mpipar.train import trainer_class
+
+    args = parse_args(scheme, SCHEMES[scheme], C.world().size)
+    grid = Grid(tp=2) if scheme == "tensor_parallel" else Grid(pp=2)
+    world = grid.world
+    trainer = trainer_class(scheme, args)(serial.Task(args), grid, args)
+    trainer.step(0)  # warm-up: the connections, the buffers, the caches
+    samples, calls, stages = [], None, None
+    for step in range(1, rounds + 1):
+        world.Barrier()
+        TRACE.clear()
+        t0 = MPI.Wtime()
+        trainer.step(step)
+        t = MPI.Wtime() - t0
+        mine = [e for e in TRACE.events if e[2] == "comm"]
+        spans = {k: [e[1] - e[0] for e in TRACE.events if e[2] == k]
+                 for k in ("forward", "backward")}
+        per_rank = world.allgather_obj((t, sum(e[1] - e[0] for e in mine),
+                                        [(e[3], e[4]["bytes"]) for e in mine], spans))
+        samples.append((max(v[0] for v in per_rank), [v[1] for v in per_rank]))
+        calls = calls or [v[2] for v in per_rank]
+        stages = [v[3] for v in per_rank] if stages is None else [
+            {k: old[k] + new[k] for k in old} for old, new in zip(stages, (v[3] for v in per_rank))]
+    if world.rank == 0:
+        emit({"mode": scheme, "samples": samples, "calls": calls, "stages": stages,
+              "micro_batches": args.micro_batches})
 
 
 def timeline(events, t0):
@@ -210,7 +276,7 @@ def drive(rates, passes, repeats, rounds):
                  for where in measured[0][0]}
         steps = {mode: dict(measured[0][1][mode],
                             samples=[s for _, st in measured for s in st[mode]["samples"]])
-                 for mode in MODES}
+                 for mode in (*MODES, *SYNC, *SCHEMES)}
         results[rate] = pairs, steps
     return results
 
@@ -236,6 +302,58 @@ def predict_step(compute, buckets, alpha, beta, backward_end=None, p=2):
     return compute + max(0.0, done - backward_end)
 
 
+def predict_sync(compute, n, mode, alpha, beta, p=2):
+    """A data-parallel step with one exchange of the ``n`` gradient bytes after the backward
+    (lessons/formulas.md#collectives, without gamma):
+
+    ========= ============================================== =====================
+    mode      exchange                                       p = 2
+    ========= ============================================== =====================
+    master    Reduce to a root, Bcast from it (trees):       2 (alpha + n beta)
+              2 lg p (alpha + n beta)
+    allreduce MPI's, priced as the ring (:func:`predict_step`) 2 alpha + n beta
+    ring      hand-written ring: 2(p-1) alpha + 2(p-1)/p n beta 2 alpha + n beta
+    ========= ============================================== =====================
+    """
+    from mpipar.simulate import ring_allreduce_time
+
+    if mode == "master":
+        return compute + 2 * math.ceil(math.log2(p)) * (alpha + n * beta)
+    return compute + ring_allreduce_time(n, p, alpha, beta)
+
+
+def predict_tp(compute, calls, alpha, beta, p=2):
+    """A tensor-parallel step: its compute + each of its Allreduces ((op, bytes) of the step's
+    MPI calls, from the trace) at the ring's 2(p-1) alpha + 2(p-1)/p n beta, one after another
+    (each blocks the layer that needs it). Any other call is refused: it has no formula here."""
+    from mpipar.simulate import ring_allreduce_time
+
+    other = sorted({op for op, _ in calls if op != "Allreduce"})
+    if other:
+        raise ValueError(f"tensor-parallel calls without a formula here: {other}")
+    return compute + sum(ring_allreduce_time(n, p, alpha, beta) for _, n in calls)
+
+
+def predict_pp(other, forward, backward, micro_batches, sends, alpha, beta, schedule="1f1b"):
+    """A pipeline step: ``other`` (what the step does outside its schedule: the optimizer,
+    the loss) + the makespan of the schedule replayed by :func:`mpipar.schedules.simulate`,
+    with ``forward`` and ``backward`` the seconds of one micro-batch on each stage and a
+    boundary message costing alpha + n beta for each MPI message that carries it. ``sends``:
+    each stage's sends in a step ((op, bytes), from the trace); those a micro-batch needs
+    (the first stage's, over the micro-batches) price the message, and the rest (past the
+    last stage's share of the micro-batches' messages, e.g. the loss) add alpha + n beta
+    each after the makespan."""
+    from mpipar import schedules
+
+    per_micro = [n for _, n in sends[0]][: len(sends[0]) // micro_batches]
+    message = sum(alpha + n * beta for n in per_micro)
+    extra = [n for s in sends for _, n in s[micro_batches * len(per_micro):]]
+    timeline = schedules.simulate(schedules.schedule(schedule, len(forward), micro_batches),
+                                  list(forward), list(backward), message)
+    return (other + max(end for stage in timeline for _, _, end in stage)
+            + sum(alpha + n * beta for n in extra))
+
+
 def compute_rate(results):
     """The rate whose steps give the compute: no limit if measured, else the fastest."""
     return max(results, key=lambda rate: cluster.parse_rate(rate) or float("inf"))
@@ -247,10 +365,10 @@ def predictions(results):
     steps and each rate's alpha (8 B across hosts, one way) and beta (1 MiB across hosts, one
     way, per byte). A rate's own compute (its steps less their exposed communication) is not
     used: it is kept to show when other work on the machine slowed that rate's steps."""
-    base = results[compute_rate(results)][1]
+    pairs0, base = results[compute_rate(results)]
     out = {}
     for rate, (pairs, steps) in results.items():
-        alpha, beta = pairs["across hosts"]["8 B"], pairs["across hosts"]["1 MiB"] / SIZES[1]
+        alpha, beta = alpha_beta(pairs)
         out[rate] = {}
         for m in MODES:
             samples = base[m]["samples"]
@@ -266,7 +384,53 @@ def predictions(results):
                                     statistics.median(s[3] for s in samples))
             own = statistics.median(s[0] - s[2] for s in steps[m]["samples"])
             out[rate][m] = pred, compute, own
+        for m in SYNC:
+            compute = statistics.median(s[0] - s[2] for s in base[m]["samples"])
+            own = statistics.median(s[0] - s[2] for s in steps[m]["samples"])
+            out[rate][m] = (predict_sync(compute, steps[m]["grad_bytes"], m, alpha, beta),
+                            compute, own)
+        out[rate]["tensor_parallel"] = tp_prediction(base, steps, alpha, beta)
+        out[rate]["pipeline"] = pp_prediction(base, alpha_beta(pairs0), steps, alpha, beta)
     return out
+
+
+def mpi_free(samples):
+    """The median step less the MPI time of the rank that spent least in MPI."""
+    return statistics.median(s[0] - min(s[1]) for s in samples)
+
+
+def tp_prediction(base, steps, alpha, beta):
+    """(predicted, compute, own compute) of the tensor-parallel step: :func:`predict_tp` with
+    the compute of the unlimited rate's steps and rank 0's calls of one step."""
+    compute = mpi_free(base["tensor_parallel"]["samples"])
+    own = mpi_free(steps["tensor_parallel"]["samples"])
+    return predict_tp(compute, steps["tensor_parallel"]["calls"][0], alpha, beta), compute, own
+
+
+def stage_times(result):
+    """Each stage's median forward and backward of one micro-batch, from the trace's spans."""
+    return ([statistics.median(st["forward"]) for st in result["stages"]],
+            [statistics.median(st["backward"]) for st in result["stages"]])
+
+
+def alpha_beta(pairs):
+    """The link's alpha (8 B across hosts, one way) and beta (1 MiB across, per byte)."""
+    return pairs["across hosts"]["8 B"], pairs["across hosts"]["1 MiB"] / SIZES[1]
+
+
+def pp_prediction(base, base_link, steps, alpha, beta):
+    """(predicted, compute, own compute) of the pipeline step: :func:`predict_pp` with the
+    unlimited rate's stage times; its ``other`` is that rate's median step less the replay
+    with that rate's own alpha and beta; the compute is the replay with free messages."""
+    def replay(result, a, b, other=0.0):
+        sends = [[c for c in calls if c[0] == "Send"] for calls in result["calls"]]
+        return predict_pp(other, *stage_times(result), result["micro_batches"], sends, a, b)
+
+    b0 = base["pipeline"]
+    other = statistics.median(s[0] for s in b0["samples"]) - replay(b0, *base_link)
+    mine = steps["pipeline"]
+    return (replay(b0, alpha, beta, other), replay(b0, 0.0, 0.0, other),
+            replay(mine, 0.0, 0.0, other))
 
 
 def report(results, out):
@@ -306,29 +470,98 @@ def report(results, out):
                       compute_here_seconds=predicted[rate][m][2],
                       alpha_seconds=across["8 B"], beta_seconds_per_byte=across["1 MiB"] / SIZES[1],
                       samples=len(steps[m]["samples"]), loadavg_1min=load) for m in MODES]
+    rows += scheme_table(results, predicted, load)
     path = write_csv("link.csv", rows, out)
     wrote(path, plot(rows, path.with_suffix(".png")))
 
 
+OTHERS = (*SYNC, *SCHEMES)  # the second table's columns
+SCHEME_OF = {"master": "data_parallel", "ring": "data_parallel"}
+
+
+def measured(mode, result, compute):
+    """(step, exposed communication, bytes and messages per step) of one mode's steps: DP's
+    exposed is its "sync" spans; tensor parallelism's its MPI calls' time (the mean over
+    ranks); the pipeline's the step less its predicted compute (the replay with free
+    messages): the messages' cost and the waits they cause."""
+    samples = result["samples"]
+    step = statistics.median(s[0] for s in samples)
+    if mode in SYNC:
+        return step, statistics.median(s[1] for s in samples), result["grad_bytes"], 2
+    sends = [c for c in result["calls"][0] if mode == "tensor_parallel" or c[0] == "Send"]
+    exposed = (statistics.median(statistics.mean(s[1]) for s in samples)
+               if mode == "tensor_parallel" else step - compute)
+    return step, exposed, sum(n for _, n in sends), len(sends)
+
+
+def scheme_table(results, predicted, load):
+    """The second table (DP's other sync modes, tensor parallelism, the pipeline) and its
+    link.csv rows (kind "scheme")."""
+    rows = []
+    print(f"\n{'link':>10} " + " ".join(f"{m:>31}" for m in OTHERS))
+    print(f"{'':>10} " + " ".join(f"{'step, exposed, predicted (error)':>31}" for _ in OTHERS))
+    for rate, (pairs, steps) in results.items():
+        alpha, beta = alpha_beta(pairs)
+        cells = []
+        for m in OTHERS:
+            pred, compute, own = predicted[rate][m]
+            step, exposed, nbytes, messages = measured(m, steps[m], compute)
+            cells.append(f"{step * 1e3:6.0f} {exposed * 1e3:6.0f} {pred * 1e3:6.0f} ms "
+                         f"{100 * (pred / step - 1):+4.0f}%")
+            rows.append(dict(environment(ranks=2), bench="link", bandwidth=rate, kind="scheme",
+                             where="across hosts", scheme=SCHEME_OF.get(m, m), mode=m,
+                             bytes=nbytes, messages=messages, seconds=step,
+                             exposed_seconds=exposed,
+                             least_seconds=min(s[0] for s in steps[m]["samples"]),
+                             most_seconds=max(s[0] for s in steps[m]["samples"]),
+                             predicted_seconds=pred, prediction_error=pred / step - 1,
+                             compute_seconds=compute, compute_from=compute_rate(results),
+                             compute_here_seconds=own, alpha_seconds=alpha,
+                             beta_seconds_per_byte=beta, samples=len(steps[m]["samples"]),
+                             loadavg_1min=load))
+        print(f"{cluster.format_rate(cluster.parse_rate(rate)):>10} " + " ".join(
+            f"{c:>31}" for c in cells))
+    return rows
+
+
 def plot(rows, path):
-    """Step time against the link's rate: the measured step of each mode as a bar, its exposed
-    communication shaded, the prediction as a line over it."""
+    """Step time against the link's rate, one panel per table: the measured step of each mode
+    or scheme as a bar, its exposed communication shaded, the prediction as a line over it."""
     from mpipar.bench.common import pyplot, save_figure
 
     plt = pyplot()
     dp = [r for r in rows if r["kind"] == "dp"]
     rates = sorted(dict.fromkeys(r["bandwidth"] for r in dp),
                    key=lambda rate: -(cluster.parse_rate(rate) or float("inf")))
-    fig, ax = plt.subplots(figsize=(8, 4.4))
-    width = 0.38
-    for j, mode in enumerate(MODES):
-        at = {r["bandwidth"]: r for r in dp if r["mode"] == mode}
-        xs = [i + (j - 0.5) * width for i in range(len(rates))]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 8.4))
+    bars(top, dp, MODES, rates)
+    top.set_ylabel("data-parallel step (ms), 2 ranks")
+    top.set_title(f"DP step of the {dp[0]['bytes'] / 1e6:.1f} MB-gradient MLP across an "
+                  f"emulated link (load {dp[0]['loadavg_1min']:.1f}); error = predicted/measured"
+                  " - 1", fontsize=9)
+    bars(bottom, [r for r in rows if r["kind"] == "scheme"], OTHERS, rates)
+    bottom.set_yscale("log")
+    top_ms = max(r["seconds"] for r in rows if r["kind"] == "scheme") * 1e3
+    bottom.set_ylim(10, 8 * top_ms)  # room for the legend above the bars
+    bottom.set_ylabel("step (ms), 2 ranks, one per host (log)")
+    bottom.set_title("DP master and hand-written ring, tensor parallelism (GPT), pipeline "
+                     "(GPT, 1F1B): measured and predicted", fontsize=9)
+    bottom.set_xlabel("link between the 2 emulated hosts")
+    return save_figure(fig, path)
+
+
+def bars(ax, rows, modes, rates):
+    """One bar per (rate, mode) with its exposed part hatched; the prediction a line."""
+    width = 0.8 / len(modes)
+    for j, mode in enumerate(modes):
+        at = {r["bandwidth"]: r for r in rows if r["mode"] == mode}
+        xs = [i + (j - (len(modes) - 1) / 2) * width for i in range(len(rates))]
         step = [at[rate]["seconds"] * 1e3 for rate in rates]
-        bars = ax.bar(xs, step, width, label=f"{mode}: measured step", alpha=0.75)
-        color = bars.patches[0].get_facecolor()
-        ax.bar(xs, [at[rate]["exposed_seconds"] * 1e3 for rate in rates], width, fill=False,
-               hatch="//", edgecolor="black", lw=0, label="exposed communication" if j else None)
+        drawn = ax.bar(xs, step, width, label=f"{mode}: measured step", alpha=0.75)
+        color = drawn.patches[0].get_facecolor()
+        ax.bar(xs, [max(at[rate]["exposed_seconds"], 0) * 1e3 for rate in rates], width,
+               fill=False, hatch="//", edgecolor="black", lw=0,
+               label="exposed communication" if j == len(modes) - 1 else None)
         ax.plot(xs, [at[rate]["predicted_seconds"] * 1e3 for rate in rates], "o-", ms=5,
                 color=color[:3], markeredgecolor="black", label=f"{mode}: predicted")
         for x, rate in zip(xs, rates):
@@ -337,14 +570,8 @@ def plot(rows, path):
                         xytext=(0, 6), textcoords="offset points")
     ax.set_xticks(range(len(rates)))
     ax.set_xticklabels([cluster.format_rate(cluster.parse_rate(rate)) for rate in rates])
-    ax.set_xlabel("link between the 2 emulated hosts")
-    ax.set_ylabel("data-parallel step (ms), 2 ranks")
-    ax.set_title(f"DP step of the {dp[0]['bytes'] / 1e6:.1f} MB-gradient MLP across an emulated "
-                 f"link (load {dp[0]['loadavg_1min']:.1f}); error = predicted/measured - 1",
-                 fontsize=9)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, ncol=2 if len(modes) > 2 else 1, loc="upper left")
     ax.grid(alpha=0.3, axis="y")
-    return save_figure(fig, path)
 
 
 def main(argv=None):
