@@ -177,7 +177,7 @@ class Hybrid:
         m = a.micro_batches
         fresh = isinstance(self.update, Zero2Update)  # ZeRO-2: full gradients for this step only
         if fresh:
-            self.update.new_grads()
+            self.update.sync.new_grads()
 
         # -- HY Step 3: each replica takes its rows of the global batch, as micro-batches --
         n_rows = self.rows[grid.dp_rank]
@@ -283,28 +283,18 @@ class Zero2Update:
     """``--zero 2``: ZeRO stage 2 over ``dp_comm``, from :mod:`mpipar.zero`'s pieces. The
     stage's parameters are views into one padded flat buffer per bucket, kept all run
     (:meth:`mpipar.zero.FlatShard.keep_whole`); its full gradients exist during a step only, as
-    views into another (:meth:`new_grads`, at the start of :meth:`Hybrid.step`), and add up
-    over the step's micro-batches. Step 5 reduce-scatters each bucket over the D replicas
-    (:class:`mpipar.zero.ShardedGradSync`: MPI's Reduce_scatter after the last backward, or with
-    ``--overlap`` a posted one started during the last micro-batch's backward) and frees it, so
-    a rank keeps its shard's gradient only; Step 6 updates the shards (one optimizer, 1/D of the
-    state) and allgathers them into the kept parameter buffers."""
+    views into another (:meth:`mpipar.zero.ShardedGradSync.new_grads`, at the start of
+    :meth:`Hybrid.step`), and add up over the step's micro-batches. Step 5 reduce-scatters each
+    bucket over the D replicas (:class:`mpipar.zero.ShardedGradSync`: MPI's Reduce_scatter after
+    the last backward, or with ``--overlap`` a posted one started during the last micro-batch's
+    backward) and frees it, so a rank keeps its shard's gradient only; Step 6 updates the shards
+    (one optimizer, 1/D of the state) and allgathers them into the kept parameter buffers."""
 
     def __init__(self, stage, dp_comm, make_opt, bucket_mb=None, overlap=False, tp_comm=None):
         self.dp_comm, self.tp_comm, self.params = dp_comm, tp_comm, stage.parameters()
         self.sync, self.zero = Z.ShardedGradSync(dp_comm, self.params, bucket_mb, overlap), None
         self.sharded = self.sync.buckets  # one FlatShard per bucket
-        for b in self.sharded:
-            b.keep_whole()
-            b.free_grads()  # the full gradients exist during a step only
         self.opt = make_opt([b.shard for b in self.sharded])
-
-    def new_grads(self):
-        """Before a step: zero each shard's gradient and make zero full gradients, views into
-        one fresh padded buffer per bucket, which the backward of every micro-batch adds to."""
-        for b in self.sharded:
-            b.shard.grad[...] = 0
-            b.new_grads()
 
     def step(self):
         if self.tp_comm is not None:  # --sequence-parallel (never with --overlap): still whole

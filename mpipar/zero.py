@@ -220,7 +220,8 @@ class ShardedGradSync:
     ``grads_ready``, ``finish``), one FlatShard per bucket. With ``overlap``, ``grads_ready``
     posts each bucket's reduce-scatter once all its gradients are final, in bucket order on
     every rank. After ``finish`` each shard's gradient holds its summed block, and no rank holds
-    a full gradient."""
+    a full gradient. The parameters are kept whole in their buckets' buffers
+    (:meth:`FlatShard.keep_whole`); :meth:`new_grads` makes a step's full gradients."""
 
     def __init__(self, dp_comm, params, bucket_mb=None, overlap=False):
         groups = make_buckets(list(params), None if bucket_mb is None else bucket_mb * 2**20)
@@ -228,7 +229,17 @@ class ShardedGradSync:
                         for i, ps in enumerate(groups)]
         self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
         self.overlap = overlap
+        for b in self.buckets:
+            b.keep_whole()
+            b.free_grads()  # the full gradients exist during a step only (new_grads)
         self.start()
+
+    def new_grads(self):
+        """Before a step: zero each shard's gradient and make zero full gradients, views into
+        one fresh padded buffer per bucket, which every micro-batch's backward adds to."""
+        for b in self.buckets:
+            b.shard.grad[...] = 0
+            b.new_grads()
 
     def start(self):
         self.missing = [len(b.params) for b in self.buckets]  # gradients not yet final
@@ -294,15 +305,10 @@ class Zero2Scheme(Sharded):
     def __init__(self, task, grid, args, model=None):
         super().__init__(task, grid, args, model)
         self.sync = ShardedGradSync(self.comm, self.params, args.bucket_mb, args.overlap)
-        for b in self.sync.buckets:
-            b.keep_whole()
-            b.free_grads()  # the full gradients exist during a step only
         self.keep_shards(self.sync.buckets)
 
     def step(self, step):
-        for b in self.groups:
-            b.shard.grad[...] = 0
-            b.new_grads()
+        self.sync.new_grads()
 
         # -- DP Step 2: no Scatterv: each rank takes its own rows of the global batch --
         x, y, normalizer = self.own_rows(step)
