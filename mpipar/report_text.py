@@ -329,7 +329,7 @@ def extrapolation_section(extrapolation):
         "![extrapolation](extrapolation.png)",
         "",
         "The same model with published A100 and H100 figures, derated to 50% of peak "
-        "(`mpipar/simulate.py > PRESETS`), for GPT-3 175B from 8 to 1024 devices "
+        "(`mpipar/hardware.py > PRESETS`), for GPT-3 175B from 8 to 1024 devices "
         f"(`extrapolation.csv`). The best predicted layout is TP {best['tp']} x PP "
         f"{best['pp']} x DP {best['dp']} on {best['devices']} {best['hardware'].upper()}s: "
         f"{best['tokens_per_s']:,.0f} tokens/s at {_pct(best['efficiency'])} of peak. "

@@ -59,11 +59,12 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from mpipar import hardware, nn, plan, schedules
+from mpipar import nn, plan, schedules
 from mpipar.hardware import (  # noqa: F401 (the model's machines, imported from here too)
     PRESETS,
     Hardware,
     measured_machine,
+    ring_allreduce_time,
     this_machine,
 )
 
@@ -127,10 +128,6 @@ class MLPSpec:
         return 0.0
 
 GPT3 = GPTSpec(vocab=50257, d_model=12288, n_heads=96, n_layers=96, seq_len=2048)  # 175B
-
-
-# the ring's formula, 2(p-1) alpha + 2(p-1)/p n beta, where a collective was not measured
-ring_allreduce_time = hardware.ring_allreduce_time
 
 
 # tensor-parallel Allreduces per micro-batch, forward and backward together, of an activation

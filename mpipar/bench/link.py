@@ -29,7 +29,7 @@ at several bandwidths of the link.
    rates, rate after rate, so that other work on the machine hits every rate alike. A table
    of medians (the steps of every pass pooled), link.csv with the load average, and link.png.
 4. The prediction beside each step (:func:`predict_step`): compute + the ring allreduce's
-   2(p-1) alpha + 2(p-1)/p n beta (:func:`mpipar.simulate.ring_allreduce_time`), alpha the
+   2(p-1) alpha + 2(p-1)/p n beta (:func:`mpipar.hardware.ring_allreduce_time`), alpha the
    across-hosts 8 B one-way median at that rate, beta its 1 MiB one-way median per byte. The
    compute is a step minus its exposed communication at the unlimited rate (the fastest
    measured when ``none`` is not among the rates), the least over the two ranks (the rank
@@ -286,13 +286,13 @@ def predict_step(compute, buckets, alpha, beta, backward_end=None, p=2):
     """A data-parallel step predicted from its compute and the link's alpha and beta.
 
     ``buckets``: (seconds after the step's start when its Allreduce is posted, bytes), in the
-    order posted; each costs the ring formula (:func:`mpipar.simulate.ring_allreduce_time`),
+    order posted; each costs the ring formula (:func:`mpipar.hardware.ring_allreduce_time`),
     one after another, as they share the link. ``backward_end`` None (one Allreduce after the
     backward): compute + every bucket's time. Otherwise (overlap) a bucket starts when it is
     posted or when the one before it is done, whichever is later, and the step waits only
     for what is left after the backward ends: compute + max(0, last done - backward_end).
     """
-    from mpipar.simulate import ring_allreduce_time
+    from mpipar.hardware import ring_allreduce_time
 
     if backward_end is None:
         return compute + sum(ring_allreduce_time(n, p, alpha, beta) for _, n in buckets)
@@ -315,7 +315,7 @@ def predict_sync(compute, n, mode, alpha, beta, p=2):
     ring      hand-written ring: 2(p-1) alpha + 2(p-1)/p n beta 2 alpha + n beta
     ========= ============================================== =====================
     """
-    from mpipar.simulate import ring_allreduce_time
+    from mpipar.hardware import ring_allreduce_time
 
     if mode == "master":
         return compute + 2 * math.ceil(math.log2(p)) * (alpha + n * beta)
@@ -326,7 +326,7 @@ def predict_tp(compute, calls, alpha, beta, p=2):
     """A tensor-parallel step: its compute + each of its Allreduces ((op, bytes) of the step's
     MPI calls, from the trace) at the ring's 2(p-1) alpha + 2(p-1)/p n beta, one after another
     (each blocks the layer that needs it). Any other call is refused: it has no formula here."""
-    from mpipar.simulate import ring_allreduce_time
+    from mpipar.hardware import ring_allreduce_time
 
     other = sorted({op for op, _ in calls if op != "Allreduce"})
     if other:

@@ -51,7 +51,7 @@ from mpipar.bench.common import (
     write_csv,
     wrote,
 )
-from mpipar.simulate import ring_allreduce_time
+from mpipar.hardware import ring_allreduce_time
 
 PINGPONG_SIZES = [8 * 4**k for k in range(11)] + [16 * 2**20]  # 8 B .. 8 MiB, 16 MiB
 ALLREDUCE_SIZES = [8 * 8**k for k in range(8)]  # 8 B .. 16 MiB
