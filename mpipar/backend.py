@@ -63,6 +63,27 @@ def cores():
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
+def steady_heap():
+    """Make glibc keep freed memory for reuse instead of giving it back to the system: every
+    block up to 32 MiB comes from the heap (M_MMAP_THRESHOLD) and the heap is never trimmed
+    (M_TRIM_THRESHOLD), so a step reuses the pages an earlier step faulted in rather than
+    faulting in fresh ones for each layer's output and each received message (a pipeline
+    stage that receives its input ran about 1.4x slower than the first stage without it).
+    The arithmetic is untouched; the process keeps its peak memory. True if set."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        mallopt = ctypes.CDLL(name).mallopt if name else None
+    except (OSError, AttributeError):  # not glibc: nothing to set
+        mallopt = None
+    if mallopt is None:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(mallopt(m_mmap_threshold, 32 * 2**20)) and bool(mallopt(m_trim_threshold, 2**30))
+
+
 # -- staging for MPI (mpipar.comm): a pip MPICH is not CUDA-aware, so device arrays go through
 # host memory
 def host(a):

@@ -319,6 +319,7 @@ def final_line(metrics, loss):
 def main(scheme, argv=None):
     """Run ``scheme`` with the command line ``argv``: parse and check, build, train, finish."""
     comm.install_excepthook()
+    B.steady_heap()  # a step reuses the memory pages of the step before
     a = parse_args(scheme, argv)
     if scheme == "pipeline" and a.print_schedule:
         comm.log(format_schedule(a.schedule, a.stages, a.micro_batches, a.chunks))

@@ -334,6 +334,20 @@ def test_zb_h1_idle_time_is_the_papers(tf, tb, tw):
                 assert end - busy == pytest.approx(idle), (name, p, m, tf, tb, tw)
 
 
+@pytest.mark.parametrize("tf,tb,tw", [(1, 1, 1), (1, 1.5, 0.5), (2, 1, 1), (1, 2, 1)])
+def test_bench_pp_zb_formula_is_the_replay_with_those_times(tf, tb, tw):
+    """bench pp's ZB-H1 bubble from measured F, B, W equals the schedule replayed with them
+    (equal stages, m >= p), and with equal times it is bubble_formula's (p-1)/(3m+p-1)."""
+    from mpipar.bench.pp import replayed_bubble, zb_formula
+
+    for p, m in CASES:
+        if m < p:
+            continue
+        replay = replayed_bubble("zb-h1", p, m, [(tf, tb, tw)] * p)
+        assert zb_formula(p, m, tf, tb, tw) == pytest.approx(replay), (p, m)
+        assert zb_formula(p, m, 1, 1, 1) == pytest.approx(bubble_formula(p, m, "zb-h1"))
+
+
 def test_zb_h1_bubble_formula():
     assert bubble_formula(4, 8, "zb-h1") == pytest.approx(3 / 27)  # (p-1)/(3m+p-1)
     assert bubble_formula(4, 4, "zb-h1") == pytest.approx(3 / 15)

@@ -43,8 +43,9 @@ interleaved each step allocated afresh what another mode's step had released: at
 temporary buffers (half of each bucket for a two-rank Allreduce) and NumPy's temporaries came
 back as 500 to 1500 page faults per step (about 1.4 us each here, 0.7 to 2 ms per step) which
 a trainer running alone does not take after its first steps. The workers therefore keep freed
-memory in the process (:func:`steady_heap`, glibc's mallopt, the same for every P and mode)
-and warm up in the interleaved order they are timed in; every row records ``steady_heap``.
+memory in the process (:func:`mpipar.backend.steady_heap`, glibc's mallopt, as every trainer
+does, the same for every P and mode) and warm up in the interleaved order they are timed in;
+every row records ``steady_heap``.
 
 Speedup of a mode on P ranks = its step time on 1 rank / its step time on P ranks.
 
@@ -60,8 +61,6 @@ which the way a rank waits (:mod:`mpipar.waiting`) decides; target: at most 1.3 
 """
 
 import argparse
-import ctypes
-import ctypes.util
 import os
 import statistics
 
@@ -117,24 +116,10 @@ class BareStep:
         return bare_step(self.Ws, self.bs, x, y, self.opt.lr, self.opt.momentum, self.velocity)
 
 
-def steady_heap():
-    """Make glibc keep freed memory for reuse instead of giving it back to the system: every
-    block up to 32 MiB comes from the heap (M_MMAP_THRESHOLD) and the heap is never trimmed
-    (M_TRIM_THRESHOLD), so a step reuses the pages an earlier step faulted in. True if set."""
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt if name else None
-    except (OSError, AttributeError):  # not glibc: nothing to set
-        mallopt = None
-    if mallopt is None:
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(mallopt(m_mmap_threshold, 32 * 2**20)) and bool(mallopt(m_trim_threshold, 2**30))
-
-
 def worker(rounds, warmup):
     from mpi4py import MPI
 
+    from mpipar import backend as B
     from mpipar import comm as C
     from mpipar import serial
     from mpipar.bench.common import emit
@@ -146,7 +131,7 @@ def worker(rounds, warmup):
     TRACE.calls = True  # the gradient exchange's MPI time is read from the calls' spans
 
     C.install_excepthook()
-    heap = steady_heap()
+    heap = B.steady_heap()
     grid = Grid(dp=C.world().size)
     dp_comm = grid.dp_comm
     task, trainers = None, {}

@@ -24,7 +24,11 @@ many configurations, not every sample of a few; the median over rounds. The bubb
 comes from the trace (mpipar.trace): 1 - (sum over ranks of forward + backward time) /
 (P * span from the first forward to the last backward, W's counted as backward), the median
 over steps. Here dx and dW of a Linear cost the same FLOPs as its forward, so F, B and W take
-about equal times, as ZB-H1's formula assumes. The peak stash of a stage is the most bytes
+about equal times, as ZB-H1's formula assumes; each stage's measured F, B and W of one
+micro-batch (the median of its instruction spans) go into pp.csv, and the schedule replayed
+with them (:func:`replayed_bubble`: unequal stages, W unlike B) gives the bubble those times
+allow, beside the measured one. The processes keep freed memory for reuse
+(:func:`mpipar.backend.steady_heap`, as a trainer does). The peak stash of a stage is the most bytes
 nn.Module.cached_bytes() showed after any forward or B, beside the prediction: the schedule's
 peak micro-batches in flight times one micro-batch's stash (for zb-h1, schedules.peak_stash:
 a micro-batch between its B and its W holds what W needs instead, each Linear's input and
@@ -141,6 +145,7 @@ def worker(micro_counts, steps, warmup):
 
     C.install_excepthook()
     B.use("numpy", "float32")
+    B.steady_heap()  # as a trainer does (mpipar.train): a step reuses its pages
     pp = Grid(pp=C.world().size).pp_comm
     P, r = pp.size, pp.rank
     model = build_model(P)
@@ -163,7 +168,7 @@ def worker(micro_counts, steps, warmup):
                                     normalizer=y.size,
                                     inputs=PP.micro_batches(x, m),
                                     targets=PP.micro_batches(y, m),
-                                    samples=[], traces=[], peak=0)
+                                    samples=[], parts=[], traces=[], peak=0)
     # rank 0 also times the whole model in one process, in the same rounds (the others wait)
     reference = SerialReference(P, micro_counts) if r == 0 else None
     # every configuration once per round, rounds repeated: a slow spell of the machine spoils
@@ -183,6 +188,7 @@ def worker(micro_counts, steps, warmup):
             # schedule repeats, and the walk over the modules after every F and B takes time
             if step >= warmup:
                 c["samples"].append((t, step_summary(TRACE.events)))
+                c["parts"].append(part_times(TRACE.events))
                 if m == TIMELINE_M:  # JSON: the label as text; the micro-batch, and "weight"
                     c["traces"].append([(*e[:3], str(e[3]),  # for a W (its colour)
                                          {k: e[4][k] for k in ("micro", "part")
@@ -193,6 +199,7 @@ def worker(micro_counts, steps, warmup):
             reference.time_round(keep=step >= warmup)
     for (name, m), c in configs.items():
         everyone = pp.gather_obj(dict(samples=c["samples"], peak=c["peak"],
+                                      parts=[statistics.median(t) for t in zip(*c["parts"])],
                                       per_micro=per_micro,
                                       in_flight=peak_in_flight(c["instructions"]),
                                       predicted=peak_stash(c["instructions"], per_micro,
@@ -209,6 +216,7 @@ def worker(micro_counts, steps, warmup):
             emit(dict(ranks=P, schedule=name, m=m, step_s=statistics.median(step_times),
                       bubble=statistics.median(bubbles), **reference.medians(m),
                       busy_s=[statistics.median(s[1][2] for s in e["samples"]) for e in everyone],
+                      parts_s=[e["parts"] for e in everyone],
                       span_share=statistics.median(a / b for a, b in zip(spans, step_times)),
                       peaks=[e["peak"] for e in everyone],
                       per_micro=[e["per_micro"] for e in everyone],
@@ -216,6 +224,35 @@ def worker(micro_counts, steps, warmup):
                       predicted=[e["predicted"] for e in everyone],
                       events=[e["traces"][typical] for e in everyone]
                       if m == TIMELINE_M else None))
+
+
+def part_times(events):
+    """One rank's step: the median forward, backward (B where the schedule splits it) and W of
+    one micro-batch (W 0 where there is none), from the trace's instruction spans."""
+    def median(kind, part):
+        spans = [e[1] - e[0] for e in events if e[2] == kind and e[4].get("part") == part]
+        return statistics.median(spans) if spans else 0.0
+
+    return median("forward", None), median("backward", None), median("backward", "weight")
+
+
+def replayed_bubble(name, p, m, parts):
+    """The bubble of the schedule replayed (:func:`mpipar.schedules.simulate`, free messages)
+    with each stage's measured forward, B and W of one micro-batch: what the schedule gives
+    with these times, unequal stages and W unlike B included."""
+    from mpipar.schedules import schedule, simulate, simulated_bubble
+
+    weight = [w / (b + w) for _, b, w in parts]
+    timeline = simulate(schedule(name, p, m), [f for f, _, _ in parts],
+                        [b + w for _, b, w in parts], 0.0, statistics.mean(weight))
+    return simulated_bubble(timeline)
+
+
+def zb_formula(p, m, tf, tb, tw):
+    """ZB-H1's bubble from measured F, B and W (m >= p): each stage idles (p-1)(TF+TB-TW) of
+    m(TF+TB+TW) + (p-1)(TF+TB-TW) (lessons/formulas.md); equal times give (p-1)/(3m+p-1)."""
+    idle = (p - 1) * (tf + tb - tw)
+    return idle / (m * (tf + tb + tw) + idle)
 
 
 # ----------------------------------------------------------------------------- driver
@@ -356,7 +393,7 @@ def zero_bubble_paragraph(pp):
         return next((r for r in pp if (r["ranks"], r["m"], r["schedule"], r["stage"])
                      == (str(p), str(m), name, "0")), None)
 
-    parts = []
+    parts, timed = [], []
     for p in (2, 4):
         for m in (4, 16):
             zb, ofb = row(p, m, "zb-h1"), row(p, m, "1f1b")
@@ -364,11 +401,36 @@ def zero_bubble_paragraph(pp):
                 parts.append(f"P = {p}, m = {m}: {f(zb, 'bubble_measured'):.3f} (formula "
                              f"{f(zb, 'bubble_formula'):.3f}) against 1F1B's "
                              f"{f(ofb, 'bubble_measured'):.3f} ({f(ofb, 'bubble_formula'):.3f})")
+                if zb.get("bubble_replayed"):
+                    timed.append(zb_timed(pp, p, m, zb, ofb))
     if not parts:
         return []
     return [("Zero-bubble ZB-H1 beside 1F1B in the same launch, the bubble measured from the "
              "trace (W counted as backward) against (p-1)/(3m+p-1) and (p-1)/(m+p-1): "
-             + "; ".join(parts) + " (P = 4 oversubscribed; `pp.csv`)."), ""]
+             + "; ".join(parts) + " (P = 4 oversubscribed; `pp.csv`)."), "",
+            *([("Those formulas take F, B and W of equal times. With the times this run "
+                "measured (one micro-batch, the mean over the stages; the last stage's forward "
+                "includes the loss) ZB-H1's (p-1)(TF+TB-TW) / (m(TF+TB+TW) + (p-1)(TF+TB-TW)) "
+                "and the schedule replayed stage by stage with each stage's own times "
+                "(`schedules.simulate`, free messages) give: " + "; ".join(timed)
+                + ". What the replay leaves between it and the measured bubble is the messages "
+                "and the waits for them, and the ranks slowing each other."), ""]
+              if timed else [])]
+
+
+def zb_timed(pp, p, m, zb, ofb):
+    """One (p, m) of the zero-bubble paragraph: the measured F, B, W, ZB-H1's formula with
+    them, the replays of ZB-H1 and 1F1B and their measured bubbles."""
+    from mpipar.bench.common import csv_float as f
+
+    stages = [r for r in pp if (r["ranks"], r["m"], r["schedule"]) == (str(p), str(m), "zb-h1")]
+    tf, tb, tw = (statistics.mean(f(r, k) for r in stages)
+                  for k in ("forward_ms", "backward_ms", "weight_ms"))
+    formula = zb_formula(p, m, tf, tb, tw) if m >= p else float("nan")
+    return (f"P = {p}, m = {m}: F {tf:.1f}, B {tb:.1f}, W {tw:.1f} ms, formula {formula:.3f}, "
+            f"replayed {f(zb, 'bubble_replayed'):.3f}, measured {f(zb, 'bubble_measured'):.3f} "
+            f"(1F1B replayed {f(ofb, 'bubble_replayed'):.3f}, measured "
+            f"{f(ofb, 'bubble_measured'):.3f})")
 
 
 def speedup_paragraph(pp):
@@ -436,6 +498,9 @@ def main(argv=None):
                 speedup_vs_serial=round(res["serial"] / res["step_s"], 3),
                 accumulated_step_ms=round(res["accumulated"] * 1e3, 3),
                 stage_compute_ms=round(res["busy_s"][stage] * 1e3, 3),
+                **dict(zip(("forward_ms", "backward_ms", "weight_ms"),
+                           (round(t * 1e3, 3) for t in res["parts_s"][stage]))),
+                bubble_replayed=round(replayed_bubble(name, p, m, res["parts_s"]), 4),
                 **{k: round(v, 4) for k, v in parts.items()},
                 peak_stash_bytes=res["peaks"][stage], in_flight=res["in_flight"][stage],
                 predicted_stash_bytes=res["predicted"][stage],
@@ -465,7 +530,9 @@ def main(argv=None):
             one = by[p, m, "1f1b"]
             print(f"zb-h1 vs 1f1b, P={p} m={m}: bubble {zb['bubble_measured']:.3f} vs "
                   f"{one['bubble_measured']:.3f} (formulas {zb['bubble_formula']:.3f} vs "
-                  f"{one['bubble_formula']:.3f}), step {zb['step_ms']:.1f} vs "
+                  f"{one['bubble_formula']:.3f}; replayed with the measured F, B, W "
+                  f"{zb['bubble_replayed']:.3f} vs {one['bubble_replayed']:.3f}), step "
+                  f"{zb['step_ms']:.1f} vs "
                   f"{one['step_ms']:.1f} ms ({zb['step_ms'] / one['step_ms']:.2f}x)")
     print_decomposition(by)
     mismatch = [r for r in rows if r["peak_stash_bytes"] != r["predicted_stash_bytes"]]
