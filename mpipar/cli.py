@@ -245,16 +245,16 @@ FLAG_RULES = [
      "each rank's whole optimizer, and ZeRO-{a.zero} keeps 1/D of it"),
     (DP, lambda a: a.overlap and a.sync != "allreduce",
      "--overlap needs the non-blocking Iallreduce of --sync allreduce (got --sync {a.sync})"),
-    (DP, lambda a: a.bucket_mb is not None and (not 0 < a.bucket_mb < math.inf
-                                                 or a.sync == "master"),
-     "--bucket-mb must be positive and needs --sync allreduce or ring (got {a.bucket_mb} with "
-     "--sync {a.sync})"),
+    (DP, lambda a: a.bucket_mb is not None and (not 0 < a.bucket_mb < math.inf or a.sync ==
+     "master"), "--bucket-mb must be positive and needs --sync allreduce or ring (got "
+     "{a.bucket_mb} with --sync {a.sync})"),
     (HY, lambda a: a.bucket_mb is not None and not 0 < a.bucket_mb < math.inf,
      "--bucket-mb must be positive, got {a.bucket_mb}"),
     (PP, lambda a: a.schedule not in CHOICES,
      "unknown --schedule {a.schedule!r}: choose one of " + ", ".join(CHOICES)),
-    (HY, lambda a: a.schedule not in SCHEDULES,
-     "unknown --schedule {a.schedule!r}: choose one of " + ", ".join(SCHEDULES)),
+    (HY, lambda a: a.schedule not in SCHEDULES, "the hybrid runs --schedule " + ", ".join(
+        SCHEDULES) + ", not {a.schedule!r}: its stages hold one model chunk (interleaved needs "
+     "several) and its --overlap hooks each micro-batch's whole backward (zb-h1 splits it)"),
     (PP, lambda a: a.schedule != "interleaved" and a.chunks != 1,
      "--chunks {a.chunks} needs --schedule interleaved ({a.schedule} runs one model chunk "
      "per rank)"),

@@ -22,6 +22,8 @@ CASES = [  # (scheme, ranks, flags, what the message says)
     ("serial", 1, ["--checkpoint-every", "5"], "--checkpoint-every 5 needs --checkpoint DIR"),
     ("serial", 1, ["--keep", "0"], "--keep must be at least 1, got 0"),
     ("serial", 1, ["--clip-grad", "0"], "--clip-grad must be a positive finite norm, got 0.0"),
+    ("pipeline", 2, ["--clip-grad", "-1"], "--clip-grad must be a positive finite norm, got -1.0"),
+    ("hybrid", 4, ["--clip-grad", "nan"], "--clip-grad must be a positive finite norm, got nan"),
     ("data_parallel", 2, ["--recompute"], "--recompute is for the serial, tensor-parallel"),
     ("serial", 1, ["--timeout", "nan"], "--timeout must be 0 (never) or a positive number"),
     ("data_parallel", 2, ["--sync", "ring", "--bucket-mb", "nan"],
@@ -65,13 +67,18 @@ CASES = [  # (scheme, ranks, flags, what the message says)
     ("data_parallel", 2, ["--bucket-mb", "1"], "--bucket-mb must be positive and needs --sync"),
     ("hybrid", 4, ["--bucket-mb", "0"], "--bucket-mb must be positive, got 0.0"),
     ("pipeline", 2, ["--schedule", "zigzag"], "unknown --schedule 'zigzag'"),
-    ("hybrid", 4, ["--schedule", "interleaved"], "unknown --schedule 'interleaved'"),
+    ("hybrid", 4, ["--schedule", "interleaved"], "the hybrid runs --schedule naive, gpipe, "
+     "1f1b, not 'interleaved': its stages hold one model chunk"),
+    ("hybrid", 4, ["--schedule", "zigzag"], "the hybrid runs --schedule naive, gpipe, 1f1b, "
+     "not 'zigzag'"),
     ("pipeline", 2, ["--chunks", "2"], "--chunks 2 needs --schedule interleaved"),
     ("pipeline", 2, ["--schedule", "zb-h1", "--chunks", "2"],
      "--chunks 2 needs --schedule interleaved (zb-h1 runs one model chunk"),
     ("pipeline", 2, ["--schedule", "zb-h1", "--recompute"],
      "--schedule zb-h1 runs each backward as B and W apart, but --recompute"),
-    ("hybrid", 4, ["--schedule", "zb-h1"], "unknown --schedule 'zb-h1': choose one of naive"),
+    ("hybrid", 4, ["--schedule", "zb-h1"], "not 'zb-h1': its stages hold one model chunk "
+     "(interleaved needs several) and its --overlap hooks each micro-batch's whole backward "
+     "(zb-h1 splits it)"),
     ("pipeline", 2, ["--schedule", "interleaved", "--chunks", "0"], "--chunks must be positive"),
     ("pipeline", 1, ["--print-schedule", "--stages", "0"], "--stages must be positive, got 0"),
     ("pipeline", 2, ["--model", "mlp", "--micro-batches", "65"], "exceeds --batch-size 64"),
@@ -146,6 +153,7 @@ def _unchecked(scheme, flags, ranks):
     (2, "pipeline", ["--seed", "-1"], "--seed must be 0 or more, got -1"),
     (4, "hybrid", ["--bucket-mb", "nan"], "--bucket-mb must be positive, got nan"),
     (2, "tensor_parallel", ["--model", "gpt", "--n-layers", "0"], "--n-layers and --seq-len"),
+    (2, "data_parallel", ["--clip-grad", "-1"], "--clip-grad must be a positive finite norm"),
 ])
 def test_new_refusals_end_every_rank_under_mpirun(ranks, scheme, flags, message):
     assert_refused(ranks, scheme, flags, message)
