@@ -1,9 +1,10 @@
 """The section "Across an emulated link" of ``plots/REPORT.md``, read from ``plots/link.csv``
 (``python -m mpipar.bench.link --out plots``, which needs root: :mod:`mpipar.cluster`).
 
-1. The table: per rate, the across-hosts latency (8 B one way) and 1 MiB one way, then per
-   mode the measured data-parallel step, its exposed communication and the prediction of
-   :func:`mpipar.bench.link.predict_step` with its error.
+1. The table: per rate, the across-hosts latency (8 B one way) and 4 MiB one way, then per
+   mode the measured data-parallel step, its exposed communication, the prediction of
+   :func:`mpipar.bench.link.predict_step` with its error, and the speedup over the serial
+   trainer's step on the same model and batch.
 2. The text: how many predictions are within 20% and, for those that are not, the spread of
    the measured steps; the rate below which communication dominates (:func:`crossover_bits`);
    what overlap gains; the machine's load.
@@ -63,22 +64,32 @@ def _ms(row, key):
     return f"{_f(row, key) * 1e3:.0f}"
 
 
+def _cell(row):
+    """One step's cell: step, exposed, predicted (error), and its speedup where measured."""
+    speedup = f", {_f(row, 'speedup'):.2f}x" if row.get("speedup") else ""
+    return (f"{_ms(row, 'seconds')} ms, {_ms(row, 'exposed_seconds')} ms, "
+            f"{_ms(row, 'predicted_seconds')} ms ({100 * _f(row, 'prediction_error'):+.0f}%)"
+            + speedup)
+
+
+def _head(mode, rows):
+    return f"{mode}: step, exposed, predicted (error)" + (
+        ", speedup" if rows and rows[0].get("speedup") else "")
+
+
 def _table(rows):
     dp, rates = dp_rows(rows)
     across = {(r["bandwidth"], r["bytes"]): r for r in rows
               if r["kind"] == "pingpong" and r["where"] == "across hosts"}
-    lines = ["| link | 8 B one way | 1 MiB one way | " + " | ".join(
-                f"{m}: step, exposed, predicted (error)" for m in MODES) + " |",
+    lines = ["| link | 8 B one way | 4 MiB one way | " + " | ".join(
+                _head(m, list(dp.values())) for m in MODES) + " |",
              "|---|---|---|" + "---|" * len(MODES)]
     for rate in rates:
-        small, big = across[rate, "8"], across[rate, "1048576"]
-        cells = [f"{_ms(d, 'seconds')} ms, {_ms(d, 'exposed_seconds')} ms, "
-                 f"{_ms(d, 'predicted_seconds')} ms ({100 * _f(d, 'prediction_error'):+.0f}%)"
-                 for d in (dp[rate, m] for m in MODES)]
+        small, big = across[rate, "8"], across[rate, str(2**22)]
         lines.append(f"| {format_rate(parse_rate(rate))} | {_f(small, 'seconds') * 1e6:.1f} us "
                      f"| {_f(big, 'seconds') * 1e3:.2f} ms "
-                     f"({8 * 2**20 / _f(big, 'seconds') / 1e9:.2f} Gbit/s) | "
-                     + " | ".join(cells) + " |")
+                     f"({8 * 2**22 / _f(big, 'seconds') / 1e9:.2f} Gbit/s) | "
+                     + " | ".join(_cell(dp[rate, m]) for m in MODES) + " |")
     return lines
 
 
@@ -90,12 +101,9 @@ def _scheme_tables(rows):
     lines = []
     for scheme, modes in SCHEMES.items():
         lines += [f"*{scheme}*", "", "| link | " + " | ".join(
-            f"{m}: step, exposed, predicted (error)" for m in modes) + " |",
-            "|---|" + "---|" * len(modes)]
+            _head(m, list(at.values())) for m in modes) + " |", "|---|" + "---|" * len(modes)]
         lines += [f"| {format_rate(parse_rate(rate))} | " + " | ".join(
-            f"{_ms(r, 'seconds')} ms, {_ms(r, 'exposed_seconds')} ms, "
-            f"{_ms(r, 'predicted_seconds')} ms ({100 * _f(r, 'prediction_error'):+.0f}%)"
-            for r in (at[rate, m] for m in modes)) + " |" for rate in rates]
+            _cell(at[rate, m]) for m in modes) + " |" for rate in rates]
         lines.append("")
     return lines
 
@@ -129,12 +137,11 @@ def _schemes(rows):
         "Their predictions (`mpipar.bench.link`): master = compute + 2 (alpha + n beta), a "
         "Reduce and a Bcast of the n gradient bytes (2 lg p (alpha + n beta) for p ranks); "
         "ring = compute + 2(p-1) alpha + 2(p-1)/p n beta; tensor parallel = its compute (the "
-        "step less its MPI time at "
-        f"{format_rate(parse_rate(tp['compute_from']))}) + each Allreduce of the trace at the "
-        "ring formula; pipeline = the 1F1B schedule replayed by `mpipar.schedules.simulate` "
-        f"with each stage's forward and backward measured at "
-        f"{format_rate(parse_rate(pp['compute_from']))} and alpha + n beta per message, plus "
-        "what the step does outside the schedule. The replay lets messages in the same "
+        "step less its MPI time) + each Allreduce of the trace at the ring formula; pipeline = "
+        "the 1F1B schedule replayed by `mpipar.schedules.simulate` with each stage's forward "
+        "and backward measured at that rate and alpha + n beta per message, plus what the "
+        "step does outside the schedule. Each compute is that rate's own, as above. The "
+        "replay lets messages in the same "
         "direction pass the link at once, where the link carries them one after another: "
         "where a message takes longer than a forward it undercounts. What the pipeline does "
         "outside its schedule is its step less the replay at "
@@ -149,23 +156,21 @@ def _schemes(rows):
     ]
 
 
+def _computes(rows):
+    """The compute of the one-Allreduce steps at each rate, as words: how far it moved."""
+    dp, rates = dp_rows(rows)
+    return ", ".join(f"{_ms(dp[rate, MODES[0]], 'compute_seconds')} ms at "
+                     f"{format_rate(parse_rate(rate))}" for rate in rates)
+
+
 def _why(r):
-    """Why one prediction missed, from its row: the compute of that rate's own steps, or the
-    communication they exposed, whichever differs more from what the prediction assumed
-    (where the machine is shared, other work slows some rates' compute and not others')."""
-    extra_compute = _f(r, "compute_here_seconds") - _f(r, "compute_seconds")
-    extra_comm = _f(r, "seconds") - _f(r, "predicted_seconds") - extra_compute
-    said = (f"{r['mode']} at {format_rate(parse_rate(r['bandwidth']))}: predicted "
+    """Why one prediction missed, from its row: the communication it predicted (the step
+    less the compute) against what the step spent beyond its compute, and the steps' spread."""
+    return (f"{r['mode']} at {format_rate(parse_rate(r['bandwidth']))}: predicted "
             f"{_ms(r, 'predicted_seconds')} ms ({100 * _f(r, 'prediction_error'):+.0f}%), steps "
-            f"from {_ms(r, 'least_seconds')} to {_ms(r, 'most_seconds')} ms; ")
-    if abs(extra_compute) >= abs(extra_comm):
-        return said + (f"its steps less their exposed communication took "
-                       f"{_ms(r, 'compute_here_seconds')} ms against the "
-                       f"{_ms(r, 'compute_seconds')} ms of compute the prediction uses: the "
-                       "compute differed more than the link did")
-    return said + (f"its exposed communication, {_ms(r, 'exposed_seconds')} ms, exceeds what "
-                   "the formula gives by more than the compute differs: the link (or the MPI "
-                   "library's Allreduce over it) was slower than the ping-pong's beta says")
+            f"from {_ms(r, 'least_seconds')} to {_ms(r, 'most_seconds')} ms; communication "
+            f"predicted {(_f(r, 'predicted_seconds') - _f(r, 'compute_seconds')) * 1e3:.0f} ms, "
+            f"exposed {_ms(r, 'exposed_seconds')} ms")
 
 
 def _misses(rows, kind="dp"):
@@ -187,14 +192,27 @@ def _gain(dp, rate):
 
 
 def _burst(rates):
-    """The rates whose token bucket holds a whole 1 MiB message: the ping-pong's 1 MiB passes
-    in one burst there, faster than the rate."""
+    """Why beta is the 4 MiB message's: the rates whose token bucket holds a whole 1 MiB
+    message, which passes in one burst there, faster than the rate."""
     big = [rate for rate in rates if parse_rate(rate) and burst_bytes(parse_rate(rate)) >= 2**20]
     if not big:
         return ""
-    return ("At " + ", ".join(format_rate(parse_rate(rate)) for rate in big) + " the token "
-            "bucket holds 1 ms of traffic, more than 1 MiB, so a 1 MiB message passes in one "
-            "burst, faster than the rate; the steps' gradients do not.")
+    return ("Beta is the 4 MiB message's time per byte: at " + ", ".join(
+        format_rate(parse_rate(rate)) for rate in big) + " the token bucket holds 1 ms of "
+        "traffic (" + ", ".join(f"{burst_bytes(parse_rate(rate)) / 1e6:.2f} MB" for rate in big)
+        + "), more than 1 MiB, so a 1 MiB message passes in one burst, faster than the rate, "
+        "where a step's megabytes of gradients and a 4 MiB message do not.")
+
+
+def _speedups(rows):
+    """The serial steps the speedups divide, as words ("" in a link.csv without them)."""
+    steps = {r.get("scheme") or "data_parallel": r for r in rows
+             if r["kind"] in ("dp", "scheme") and r.get("serial_seconds")}
+    if not steps:
+        return ""
+    return ("The speedup is over the serial trainer's step on the same model and batch, one "
+            "process and no link (" + ", ".join(f"{k.replace('_', ' ')} {_ms(r, 'serial_seconds')}"
+                                                f" ms" for k, r in steps.items()) + "). ")
 
 
 def link_section(note=None, folder=PLOTS):
@@ -223,13 +241,13 @@ def link_section(note=None, folder=PLOTS):
         "",
         *_table(rows),
         "",
-        "The prediction (`mpipar.bench.link.predict_step`) adds to the step's compute, "
-        f"{_ms(first, 'compute_seconds')} ms for one Allreduce and "
-        f"{_ms(dp[rates[0], MODES[1]], 'compute_seconds')} ms with the buckets (a step less its "
-        f"exposed communication at {format_rate(parse_rate(first['compute_from']))}), the ring "
+        "The prediction (`mpipar.bench.link.predict_step`) adds to the step's compute (each "
+        "rate's steps less their exposed communication: " + _computes(rows) + ") the ring "
         "formula 2(p-1) alpha + 2(p-1)/p n beta with each rate's alpha and beta from the "
         "ping-pong; with overlap each bucket starts when the backward posts it, and only what "
-        "is left after the backward counts. " + _misses(rows) + _burst(rates),
+        "is left after the backward counts. What it predicts is the communication: the link "
+        "changes nothing else, while the machine's other work moves the compute from rate to "
+        "rate. " + _misses(rows) + _speedups(rows) + _burst(rates),
         "",
         f"Communication takes longer than compute below {crossover_bits(rows) / 1e6:.0f} "
         f"Mbit/s: there the allreduce's n x 8 / R seconds (2(p-1)/p = 1 for p = 2) equal the "

@@ -7,9 +7,10 @@ at several bandwidths of the link.
 
 1. Ping-pong (``--pingpong``, under any mpirun, in an emulated cluster or on a real one): rank 0
    and the first other rank on its host, then rank 0 and the first rank on another host
-   (``MPI.Get_processor_name`` tells hosts apart). 8 B (the latency alpha) and 1 MiB (the
-   bandwidth 1/beta), one way = half a round trip, each round trip timed on its own: the
-   median, and the least (what the path itself costs: other work on the machine only adds).
+   (``MPI.Get_processor_name`` tells hosts apart). 8 B (the latency alpha), 1 MiB and 4 MiB
+   (the bandwidth 1/beta: several bursts of the token bucket, :func:`alpha_beta`), one way =
+   half a round trip, each round trip timed on its own: the median, and the least (what the
+   path itself costs: other work on the machine only adds).
    Bare mpi4py ``Send``/``Recv`` of NumPy buffers: this measures the link, not mpipar.comm's
    bookkeeping (``python -m mpipar.bench net`` measures that). The ranks outside the pair
    wait in an ``Ibarrier`` polled with sleeps, so that they leave the cores to the pair.
@@ -30,20 +31,21 @@ at several bandwidths of the link.
    of medians (the steps of every pass pooled), link.csv with the load average, and link.png.
 4. The prediction beside each step (:func:`predict_step`): compute + the ring allreduce's
    2(p-1) alpha + 2(p-1)/p n beta (:func:`mpipar.hardware.ring_allreduce_time`), alpha the
-   across-hosts 8 B one-way median at that rate, beta its 1 MiB one-way median per byte. The
-   compute is a step minus its exposed communication at the unlimited rate (the fastest
-   measured when ``none`` is not among the rates), the least over the two ranks (the rank
-   that waits least is the one the step waits for), per mode: a 1-rank step would have twice
-   the rows per rank and none of the 2-rank step's MPI bookkeeping, and it would need a
-   launch more. With overlap each bucket's Allreduce starts when it was posted at the
-   unlimited rate (the step's own timeline, from the trace) or when the bucket before it is
-   done, and the step waits for what is left after its backward ends. The error is
-   predicted / measured - 1. The second table's (lessons/formulas.md#collectives): master
-   and ring, :func:`predict_sync`; tensor parallelism, :func:`predict_tp` (the step less its
-   MPI time + each traced Allreduce at the ring formula); the pipeline, :func:`predict_pp`
-   (the schedule replayed by :func:`mpipar.schedules.simulate` with the unlimited rate's
-   stage times and alpha + n beta per message). The compute is the unlimited rate's, as
-   above.
+   across-hosts 8 B one-way median at that rate, beta its 4 MiB one-way median per byte. The
+   compute is that rate's steps less their exposed communication, the least over the two
+   ranks (the rank that waits least is the one the step waits for), per mode: the link
+   changes only the communication, while other work on the machine moves the compute from
+   rate to rate, so what is predicted is the communication (the unlimited rate's compute is
+   kept beside it in link.csv). With overlap each bucket's Allreduce starts when it was
+   posted (the step's own timeline, from the trace) or when the bucket before it is done,
+   and the step waits for what is left after its backward ends. The error is predicted /
+   measured - 1. The second table's (lessons/formulas.md#collectives): master and ring,
+   :func:`predict_sync`; tensor parallelism, :func:`predict_tp` (the step less its MPI time
+   + each traced Allreduce at the ring formula); the pipeline, :func:`predict_pp` (the
+   schedule replayed by :func:`mpipar.schedules.simulate` with that rate's stage times and
+   alpha + n beta per message, plus what the unlimited rate's step does outside it).
+5. The speedup of every step over the serial trainer's on the same model and batch (hidden
+   ``--worker serial``, one process outside the cluster, once per pass).
 
 The emulated hosts share this machine's cores: the step times are those of 2 ranks on its
 cores, and what the rates change is the link alone. Needs root (:func:`cluster.unavailable`).
@@ -62,7 +64,8 @@ import time
 from mpipar import cluster
 from mpipar.bench.common import ONE_THREAD, bench_parser, environment, write_csv, wrote
 
-SIZES = (8, 2**20)  # bytes: the latency, and a message long enough for the bandwidth
+SIZES = (8, 2**20, 2**22)  # bytes: the latency; 1 MiB; 4 MiB, several token-bucket bursts
+BETA = 2**22  # the message whose time per byte is the link's beta (:func:`alpha_beta`)
 MODES = ("allreduce", "allreduce+overlap")  # of mpipar.bench.dp.MODES: lesson 9's table
 SYNC = ("master", "ring")  # the other sync modes of mpipar.bench.dp.MODES, in the second table
 SCHEMES = {  # the flags of each scheme's step across the link (2 ranks, one per host)
@@ -72,8 +75,24 @@ SCHEMES = {  # the flags of each scheme's step across the link (2 ranks, one per
                  "--batch-size", "16", "--micro-batches", "4", "--schedule", "1f1b",
                  "--dtype", "float32", "--timeline", "none", "--quiet"],
 }
+NOT_SERIAL = {"--micro-batches", "--schedule", "--timeline"}  # pipeline flags; each takes a value
+
+
+def serial_flags(scheme):
+    """The serial trainer's flags for the same model and batch as a scheme's step."""
+    from mpipar.bench import dp as bench_dp
+
+    if scheme == "data_parallel":
+        return list(bench_dp.MODEL)
+    flags = SCHEMES[scheme]
+    return [f for i, f in enumerate(flags)
+            if f not in NOT_SERIAL and (i == 0 or flags[i - 1] not in NOT_SERIAL)]
+
+
 PAIR = re.compile(r"rank 0 \((\S+)\) <-> rank (\d+) \((\S+)\), (same host|across hosts): +"
-                  r"8 B +([\d.]+) us \(least ([\d.]+)\), 1 MiB +([\d.]+) ms \(least ([\d.]+)\)")
+                  r"8 B +([\d.]+) us \(least ([\d.]+)\), 1 MiB +([\d.]+) ms \(least ([\d.]+)\)"
+                  r", 4 MiB +([\d.]+) ms \(least ([\d.]+)\)")
+KEYS = ("8 B", "1 MiB", "4 MiB")  # the names of SIZES in the lines PAIR reads
 
 
 # ----------------------------------------------------------------------------- workers (mpirun)
@@ -113,7 +132,8 @@ def pingpong(repeats):
     if comm.rank == 0:
         link = cluster.format_rate(spec["bandwidth"]) if spec else "not an emulated cluster"
         print(f"ping-pong on {comm.size} ranks, one way (half a round trip): the median and the "
-              f"least of {20 * repeats} round trips of 8 B and {repeats} of 1 MiB; link: {link}",
+              f"least of {20 * repeats} round trips of 8 B and {repeats} of 1 MiB and of 4 MiB; "
+              f"link: {link}",
               flush=True)
     for where, same in (("same host", True), ("across hosts", False)):
         partners = [r for r in range(1, comm.size) if (names[r] == names[0]) == same]
@@ -127,12 +147,14 @@ def pingpong(repeats):
                 one_way(comm, partner, buf, 2)  # warm-up: the connection, the buffers
                 times.append(one_way(comm, partner, buf, 20 * repeats if n < 2**16 else repeats))
             if comm.rank == 0:
-                small, big = times
-                bits = 8 * SIZES[1] / statistics.median(big)
+                small, mib, big = times
+                bits = 8 * BETA / statistics.median(big)
                 print(f"rank 0 ({names[0]}) <-> rank {partner} ({names[partner]}), {where}: "
                       f"8 B {statistics.median(small) * 1e6:7.1f} us (least "
-                      f"{min(small) * 1e6:.1f}), 1 MiB {statistics.median(big) * 1e3:7.2f} ms "
-                      f"(least {min(big) * 1e3:.2f}) = {cluster.format_rate(bits)}", flush=True)
+                      f"{min(small) * 1e6:.1f}), 1 MiB {statistics.median(mib) * 1e3:7.2f} ms "
+                      f"(least {min(mib) * 1e3:.2f}), 4 MiB {statistics.median(big) * 1e3:7.2f} "
+                      f"ms (least {min(big) * 1e3:.2f}) = {cluster.format_rate(bits)}",
+                      flush=True)
         wait_sleeping(comm)
 
 
@@ -142,6 +164,7 @@ def dp_worker(rounds):
     mode and scheme."""
     from mpi4py import MPI
 
+    from mpipar import backend as B
     from mpipar import comm as C
     from mpipar import serial
     from mpipar.bench import dp as bench_dp
@@ -153,7 +176,7 @@ def dp_worker(rounds):
 
     TRACE.calls = True  # the buckets' posting times are read from the MPI calls' spans
     C.install_excepthook()
-    bench_dp.steady_heap()
+    B.steady_heap()
     grid = Grid(dp=C.world().size)
     task = None
     for mode in MODES + SYNC:
@@ -221,6 +244,26 @@ def scheme_steps(scheme, rounds):
               "micro_batches": args.micro_batches})
 
 
+def serial_worker(rounds):
+    """One process: the serial trainer's step on the same model and batch as each scheme's
+    (data parallelism's MLP, the tensor-parallel and the pipeline GPT), the median of
+    ``rounds`` steps after one to warm up: the 1-rank step a speedup divides."""
+    from mpipar import serial
+    from mpipar.bench.common import emit
+    from mpipar.cli import parse_args
+
+    for scheme in ("data_parallel", *SCHEMES):
+        args = parse_args("serial", serial_flags(scheme), 1)
+        trainer = serial.Serial(serial.Task(args), None, args)
+        trainer.step(0)
+        times = []
+        for step in range(1, rounds + 1):
+            t0 = time.perf_counter()
+            trainer.step(step)
+            times.append(time.perf_counter() - t0)
+        emit({"mode": scheme, "seconds": statistics.median(times)})
+
+
 def timeline(events, t0):
     """From one step's trace: its exposed communication (the "sync" spans), when the backward
     ended and when each gradient Allreduce was posted (seconds after ``t0``)."""
@@ -232,11 +275,11 @@ def timeline(events, t0):
 
 # ----------------------------------------------------------------------------- driver
 def read_pairs(text):
-    """{'same host' or 'across hosts': {"8 B", "8 B least", "1 MiB", "1 MiB least"}: seconds}
-    from the lines --pingpong prints."""
-    return {m[4]: dict(zip(("8 B", "8 B least", "1 MiB", "1 MiB least"),
-                           (float(m[5]) * 1e-6, float(m[6]) * 1e-6, float(m[7]) * 1e-3,
-                            float(m[8]) * 1e-3))) for m in PAIR.finditer(text)}
+    """{'same host' or 'across hosts': {"8 B", "8 B least", "1 MiB", ..., "4 MiB least"}:
+    seconds} from the lines --pingpong prints."""
+    names = [f"{k}{least}" for k in KEYS for least in ("", " least")]
+    return {m[4]: {name: float(v) * (1e-6 if name.startswith("8 B") else 1e-3)
+                   for name, v in zip(names, m.groups()[4:])} for m in PAIR.finditer(text)}
 
 
 def launch(n, args, env):
@@ -261,12 +304,28 @@ def measure(bits, repeats, rounds):
     return pairs, steps
 
 
+def serial_steps(rounds):
+    """{scheme: the serial trainer's step on its model and batch} (:func:`serial_worker`, one
+    process on this machine: no link)."""
+    proc = subprocess.run([sys.executable, "-m", "mpipar.bench.link", "--worker", "serial",
+                           "--rounds", str(rounds)], env=dict(os.environ, **ONE_THREAD),
+                          capture_output=True, text=True, timeout=600)
+    if proc.returncode:
+        raise SystemExit(f"the serial steps failed:\n{proc.stdout}\n{proc.stderr}")
+    results = (json.loads(line[7:]) for line in proc.stdout.splitlines()
+               if line.startswith("RESULT "))
+    return {r["mode"]: r["seconds"] for r in results}
+
+
 def drive(rates, passes, repeats, rounds):
     """Every rate, ``passes`` times over (rate after rate, so that other work on the machine
-    hits every rate alike); per rate the median of the ping-pongs' medians, the least of their
-    least times, and the data-parallel steps pooled."""
+    hits every rate alike), after the serial steps of each pass; per rate the median of the
+    ping-pongs' medians, the least of their least times, the steps (and stage spans) pooled;
+    the serial steps' median over the passes."""
     runs = {rate: [] for rate in rates}
+    serials = []
     for _ in range(passes):
+        serials.append(serial_steps(rounds))
         for rate in rates:
             runs[rate].append(measure(cluster.parse_rate(rate), repeats, rounds))
     results = {}
@@ -277,8 +336,11 @@ def drive(rates, passes, repeats, rounds):
         steps = {mode: dict(measured[0][1][mode],
                             samples=[s for _, st in measured for s in st[mode]["samples"]])
                  for mode in (*MODES, *SYNC, *SCHEMES)}
+        stages = [st["pipeline"]["stages"] for _, st in measured]  # per pass, per stage
+        steps["pipeline"]["stages"] = [{k: [t for one in passes for t in one[k]] for k in passes[0]}
+                                       for passes in zip(*stages)]  # the passes' spans pooled
         results[rate] = pairs, steps
-    return results
+    return results, {k: statistics.median(s[k] for s in serials) for k in serials[0]}
 
 
 # ----------------------------------------------------------------------------- the prediction
@@ -355,40 +417,45 @@ def predict_pp(other, forward, backward, micro_batches, sends, alpha, beta, sche
 
 
 def compute_rate(results):
-    """The rate whose steps give the compute: no limit if measured, else the fastest."""
+    """The rate whose steps give what a pipeline step does outside its schedule (the optimizer,
+    the loss; :func:`pp_prediction`): no limit if measured, else the fastest."""
     return max(results, key=lambda rate: cluster.parse_rate(rate) or float("inf"))
 
 
 def predictions(results):
-    """{rate: {mode: (predicted seconds, compute seconds, that rate's own compute)}}:
-    :func:`predict_step` with the compute and the overlap's timeline of :func:`compute_rate`'s
-    steps and each rate's alpha (8 B across hosts, one way) and beta (1 MiB across hosts, one
-    way, per byte). A rate's own compute (its steps less their exposed communication) is not
-    used: it is kept to show when other work on the machine slowed that rate's steps."""
-    pairs0, base = results[compute_rate(results)]
+    """{rate: {mode: (predicted seconds, compute seconds, the unlimited rate's compute)}}:
+    each rate's steps predicted from that rate's compute (its steps less their exposed
+    communication; with overlap also its buckets' posting times and the backward's end) and
+    its alpha (8 B across hosts, one way) and beta (4 MiB across hosts, one way, per byte).
+    The compute is each rate's own because the machine's other work moves it from rate to
+    rate (by a quarter in one run, more than the link's effect at 10 Gbit/s), while the link
+    moves only the communication: what is predicted is the communication. The unlimited
+    rate's compute is kept beside it to show how far it moved."""
+    base = results[compute_rate(results)][1]
+    pairs0 = results[compute_rate(results)][0]
     out = {}
     for rate, (pairs, steps) in results.items():
         alpha, beta = alpha_beta(pairs)
         out[rate] = {}
         for m in MODES:
-            samples = base[m]["samples"]
+            samples = steps[m]["samples"]
             compute = statistics.median(s[0] - s[2] for s in samples)
             if m == "allreduce":
                 pred = predict_step(compute, [(0.0, steps[m]["grad_bytes"])], alpha, beta)
             else:
                 posted = [statistics.median(t) for t in zip(*(s[4] for s in samples))]
-                if len(posted) != len(base[m]["buckets"]):  # the trace missed some calls
+                if len(posted) != len(steps[m]["buckets"]):  # the trace missed some calls
                     raise SystemExit(f"{len(posted)} gradient Allreduces in the trace, "
-                                     f"{len(base[m]['buckets'])} buckets")
-                pred = predict_step(compute, list(zip(posted, base[m]["buckets"])), alpha, beta,
-                                    statistics.median(s[3] for s in samples))
-            own = statistics.median(s[0] - s[2] for s in steps[m]["samples"])
-            out[rate][m] = pred, compute, own
+                                     f"{len(steps[m]['buckets'])} buckets")
+                pred = predict_step(compute, list(zip(posted, steps[m]["buckets"])), alpha,
+                                    beta, statistics.median(s[3] for s in samples))
+            unlimited = statistics.median(s[0] - s[2] for s in base[m]["samples"])
+            out[rate][m] = pred, compute, unlimited
         for m in SYNC:
-            compute = statistics.median(s[0] - s[2] for s in base[m]["samples"])
-            own = statistics.median(s[0] - s[2] for s in steps[m]["samples"])
+            compute = statistics.median(s[0] - s[2] for s in steps[m]["samples"])
+            unlimited = statistics.median(s[0] - s[2] for s in base[m]["samples"])
             out[rate][m] = (predict_sync(compute, steps[m]["grad_bytes"], m, alpha, beta),
-                            compute, own)
+                            compute, unlimited)
         out[rate]["tensor_parallel"] = tp_prediction(base, steps, alpha, beta)
         out[rate]["pipeline"] = pp_prediction(base, alpha_beta(pairs0), steps, alpha, beta)
     return out
@@ -400,11 +467,12 @@ def mpi_free(samples):
 
 
 def tp_prediction(base, steps, alpha, beta):
-    """(predicted, compute, own compute) of the tensor-parallel step: :func:`predict_tp` with
-    the compute of the unlimited rate's steps and rank 0's calls of one step."""
-    compute = mpi_free(base["tensor_parallel"]["samples"])
-    own = mpi_free(steps["tensor_parallel"]["samples"])
-    return predict_tp(compute, steps["tensor_parallel"]["calls"][0], alpha, beta), compute, own
+    """(predicted, compute, the unlimited rate's compute) of the tensor-parallel step:
+    :func:`predict_tp` with the compute of this rate's steps and rank 0's calls of one step."""
+    compute = mpi_free(steps["tensor_parallel"]["samples"])
+    unlimited = mpi_free(base["tensor_parallel"]["samples"])
+    return (predict_tp(compute, steps["tensor_parallel"]["calls"][0], alpha, beta), compute,
+            unlimited)
 
 
 def stage_times(result):
@@ -414,14 +482,19 @@ def stage_times(result):
 
 
 def alpha_beta(pairs):
-    """The link's alpha (8 B across hosts, one way) and beta (1 MiB across, per byte)."""
-    return pairs["across hosts"]["8 B"], pairs["across hosts"]["1 MiB"] / SIZES[1]
+    """The link's alpha (8 B across hosts, one way) and beta (4 MiB across, per byte). A
+    token bucket lets its burst (1 ms of traffic, :func:`mpipar.cluster.burst_bytes`) pass at
+    once: at 10 Gbit/s a 1 MiB message fits in it and comes out faster than the rate, while a
+    step's megabytes of gradients do not; 4 MiB is several bursts, so its beta is the rate's."""
+    return pairs["across hosts"]["8 B"], pairs["across hosts"]["4 MiB"] / BETA
 
 
 def pp_prediction(base, base_link, steps, alpha, beta):
-    """(predicted, compute, own compute) of the pipeline step: :func:`predict_pp` with the
-    unlimited rate's stage times; its ``other`` is that rate's median step less the replay
-    with that rate's own alpha and beta; the compute is the replay with free messages."""
+    """(predicted, compute, the unlimited rate's compute) of the pipeline step:
+    :func:`predict_pp` with this rate's stage times (forward and backward of a micro-batch,
+    from the trace) and ``other``, what a step does outside its schedule: the unlimited
+    rate's median step less the replay with that rate's alpha and beta (the same work at
+    every rate). The compute is the replay with free messages."""
     def replay(result, a, b, other=0.0):
         sends = [[c for c in calls if c[0] == "Send"] for calls in result["calls"]]
         return predict_pp(other, *stage_times(result), result["micro_batches"], sends, a, b)
@@ -429,14 +502,14 @@ def pp_prediction(base, base_link, steps, alpha, beta):
     b0 = base["pipeline"]
     other = statistics.median(s[0] for s in b0["samples"]) - replay(b0, *base_link)
     mine = steps["pipeline"]
-    return (replay(b0, alpha, beta, other), replay(b0, 0.0, 0.0, other),
-            replay(mine, 0.0, 0.0, other))
+    return (replay(mine, alpha, beta, other), replay(mine, 0.0, 0.0, other),
+            replay(b0, 0.0, 0.0, other))
 
 
-def report(results, out):
-    """The table, link.csv and link.png."""
+def report(results, serials, out):
+    """The tables, link.csv and link.png; ``serials``: {scheme: its serial step}."""
     rows = []
-    print(f"{'link':>10} {'8 B same host':>14} {'8 B across':>14} {'1 MiB across':>20}   "
+    print(f"{'link':>10} {'8 B same host':>14} {'8 B across':>14} {'4 MiB across':>20}   "
           f"{'DP step':>8} {'exposed':>8} {'predicted':>16} {'+overlap':>9} {'exposed':>8} "
           f"{'predicted':>16}")
     print(f"{'':>10} {'median/least':>14} {'median/least':>14} {'median, its rate':>20}   "
@@ -451,7 +524,7 @@ def report(results, out):
         print(f"{cluster.format_rate(cluster.parse_rate(rate)):>10} "
               + "".join(f"{p['8 B'] * 1e6:7.1f}/{p['8 B least'] * 1e6:<4.1f} us "
                         for p in (same, across))
-              + f"{across['1 MiB'] * 1e3:7.2f} ms {8 * SIZES[1] / across['1 MiB'] / 1e9:5.2f} Gb/s "
+              + f"{across['4 MiB'] * 1e3:7.2f} ms {8 * BETA / across['4 MiB'] / 1e9:5.2f} Gb/s "
               + "".join(f"{step[m] * 1e3:8.0f} ms {exposed[m] * 1e3:5.0f} ms "
                         f"{pred[m] * 1e3:7.0f} ms {100 * (pred[m] / step[m] - 1):+4.0f}% "
                         for m in MODES))
@@ -459,7 +532,7 @@ def report(results, out):
             rows += [dict(environment(ranks=4), bench="link", bandwidth=rate, kind="pingpong",
                           where=where, bytes=n, seconds=times[key],
                           least_seconds=times[f"{key} least"], loadavg_1min=load)
-                     for n, key in ((SIZES[0], "8 B"), (SIZES[1], "1 MiB"))]
+                     for n, key in zip(SIZES, KEYS)]
         rows += [dict(environment(ranks=2), bench="link", bandwidth=rate, kind="dp",
                       where="across hosts", mode=m, bytes=steps[m]["grad_bytes"],
                       seconds=step[m], exposed_seconds=exposed[m],
@@ -467,12 +540,30 @@ def report(results, out):
                       most_seconds=max(s[0] for s in steps[m]["samples"]),
                       predicted_seconds=pred[m], prediction_error=pred[m] / step[m] - 1,
                       compute_seconds=predicted[rate][m][1], compute_from=compute_rate(results),
-                      compute_here_seconds=predicted[rate][m][2],
-                      alpha_seconds=across["8 B"], beta_seconds_per_byte=across["1 MiB"] / SIZES[1],
+                      compute_unlimited_seconds=predicted[rate][m][2],
+                      alpha_seconds=across["8 B"], beta_seconds_per_byte=across["4 MiB"] / BETA,
                       samples=len(steps[m]["samples"]), loadavg_1min=load) for m in MODES]
     rows += scheme_table(results, predicted, load)
+    speedups(rows, serials)
     path = write_csv("link.csv", rows, out)
     wrote(path, plot(rows, path.with_suffix(".png")))
+
+
+def speedups(rows, serials):
+    """Each step row's speedup over the serial trainer's step on the same model and batch
+    (one process, no link), set into the row (serial_seconds, speedup) and printed."""
+    steps = [r for r in rows if r["kind"] in ("dp", "scheme")]
+    for r in steps:
+        r["serial_seconds"] = serials[r.get("scheme") or "data_parallel"]
+        r["speedup"] = r["serial_seconds"] / r["seconds"]
+    modes = list(dict.fromkeys(r["mode"] for r in steps))
+    print("\nspeedup over one process (serial step: " + ", ".join(
+        f"{k} {v * 1e3:.0f} ms" for k, v in serials.items()) + ")")
+    print(f"{'link':>10} " + " ".join(f"{m:>17}" for m in modes))
+    for rate in dict.fromkeys(r["bandwidth"] for r in steps):
+        at = {r["mode"]: r for r in steps if r["bandwidth"] == rate}
+        print(f"{cluster.format_rate(cluster.parse_rate(rate)):>10} "
+              + " ".join(f"{at[m]['speedup']:16.2f}x" for m in modes))
 
 
 OTHERS = (*SYNC, *SCHEMES)  # the second table's columns
@@ -516,7 +607,7 @@ def scheme_table(results, predicted, load):
                              most_seconds=max(s[0] for s in steps[m]["samples"]),
                              predicted_seconds=pred, prediction_error=pred / step - 1,
                              compute_seconds=compute, compute_from=compute_rate(results),
-                             compute_here_seconds=own, alpha_seconds=alpha,
+                             compute_unlimited_seconds=own, alpha_seconds=alpha,
                              beta_seconds_per_byte=beta, samples=len(steps[m]["samples"]),
                              loadavg_1min=load))
         print(f"{cluster.format_rate(cluster.parse_rate(rate)):>10} " + " ".join(
@@ -581,23 +672,23 @@ def main(argv=None):
              help="link rates to measure, as tc writes them (none: no limit)")
     ap.sized("--passes", 3, 1, type=int, help="times over every rate")
     ap.sized("--repeats", 9, 3, type=int,
-             help="timed round trips of 1 MiB per pair (of 8 B: 20 times as many)")
+             help="timed round trips of 1 MiB and of 4 MiB per pair (of 8 B: 20 times as many)")
     ap.sized("--rounds", 5, 2, type=int, help="timed data-parallel steps per mode and pass")
     ap.add_argument("--pingpong", action="store_true",
                     help="only the ping-pong, on the ranks of this mpirun (2 or more)")
-    ap.add_argument("--worker", choices=["dp"], help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=["dp", "serial"], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.pingpong:
         return pingpong(args.repeats)
     if args.worker:
-        return dp_worker(args.rounds)
+        return (dp_worker if args.worker == "dp" else serial_worker)(args.rounds)
     reason = cluster.unavailable()
     if reason:
         raise SystemExit(f"cannot emulate hosts: {reason}")
     rates = args.rates.split(",")
     for rate in rates:
         cluster.parse_rate(rate, "--rates")  # refuse a bad one before measuring anything
-    report(drive(rates, args.passes, args.repeats, args.rounds), args.out)
+    report(*drive(rates, args.passes, args.repeats, args.rounds), args.out)
 
 
 if __name__ == "__main__":
