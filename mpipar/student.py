@@ -18,6 +18,11 @@ bodies in DIR; the rest of the copy is the reference and does not change.
 2. then the existing tests named for the exercise (for example the exact 1F1B instruction
    lists: a schedule that trains correctly in the wrong order is still wrong), run by pytest.
 An exercise passes when both pass. The exit code is the number of exercises that failed.
+
+Each exercise is graded on its own: its checks run in a scratch copy of DIR in which the
+functions of every other exercise are the reference's (those of the project the grader runs
+from), so the row-parallel Linear, which calls g, passes or fails by its own code while g is
+still a stub. Checks that would run the same command on the same code run once.
 """
 
 import argparse
@@ -90,6 +95,9 @@ EXERCISES = [
 ]
 
 
+EXERCISE_FILES = sorted({ex.path for ex in EXERCISES})
+
+
 def find(name):
     for ex in EXERCISES:
         if ex.name == name:
@@ -131,17 +139,41 @@ def stub_source(source, functions, message):
     return "".join(lines)
 
 
+def restore_source(source, reference, functions):
+    """``source`` with the definitions of ``functions`` (decorators included) taken whole from
+    ``reference``, bottom-up so that earlier line numbers stay valid."""
+    def span(node):
+        return min([node.lineno, *(d.lineno for d in node.decorator_list)]), node.end_lineno
+
+    lines, ref_lines = source.splitlines(keepends=True), reference.splitlines(keepends=True)
+    tree, ref_tree = ast.parse(source), ast.parse(reference)
+    spans = []
+    for f in functions:
+        start, end = span(definition(tree, f))
+        ref_start, ref_end = span(definition(ref_tree, f))
+        spans.append((start, end, ref_lines[ref_start - 1:ref_end]))
+    for start, end, text in sorted(spans, key=lambda s: -s[0]):
+        lines[start - 1:end] = text
+    return "".join(lines)
+
+
+def copy_project(source, target):
+    """The project's files (``COPIED``, without byte code) from ``source`` into ``target``."""
+    target.mkdir(parents=True, exist_ok=True)
+    for name in COPIED:
+        src = source / name
+        if src.is_dir():
+            shutil.copytree(src, target / name, ignore=shutil.ignore_patterns("__pycache__"),
+                            dirs_exist_ok=True)
+        elif src.exists():
+            shutil.copy2(src, target / name)
+
+
 def make(target):
     target = Path(target)
     if target.exists() and any(target.iterdir()):
         raise SystemExit(f"error: {target} exists and is not empty; choose a new folder")
-    target.mkdir(parents=True, exist_ok=True)
-    for name in COPIED:
-        src = ROOT / name
-        if src.is_dir():
-            shutil.copytree(src, target / name, ignore=shutil.ignore_patterns("__pycache__"))
-        elif src.exists():
-            shutil.copy2(src, target / name)
+    copy_project(ROOT, target)
     by_file = {}
     for ex in EXERCISES:
         by_file.setdefault(ex.path, []).append(ex)
@@ -192,29 +224,60 @@ def first_mismatch(got, want):
     return None
 
 
-def check_training(ex, copy, scratch):
+def isolate(ex, copy, scratch):
+    """The folder in which ``ex`` is graded: ``copy`` with the reference's functions for every
+    other exercise, so that their stubs and mistakes cannot fail it; ``copy`` itself when it
+    already has them, else a copy of it in ``scratch``. A file that does not parse, or lacks a
+    function, stays as it is: the run names its error."""
+    restored = {}
+    for path in EXERCISE_FILES:
+        others = [f for e in EXERCISES if e.path == path and e is not ex for f in e.functions]
+        try:
+            source = (copy / path).read_text()
+            text = restore_source(source, (ROOT / path).read_text(), others)
+        except (OSError, SyntaxError, LookupError):
+            continue
+        if text != source:
+            restored[path] = text
+    if not restored:
+        return copy
+    folder = scratch / f"copy-{ex.name}"
+    copy_project(copy, folder)
+    for path, text in restored.items():
+        (folder / path).write_text(text)
+    return folder
+
+
+def exercise_code(folder):
+    """The text of every file that holds an exercise: within one copy, the code that differs
+    from one graded folder to another."""
+    return tuple((folder / p).read_text() if (folder / p).exists() else "" for p in
+                 EXERCISE_FILES)
+
+
+def check_training(ex, folder, scratch):
     """None when the scheme equals the serial trainer, else why not."""
     shared = [*ex.model, "--dtype", "float64", "--quiet"]
     saved = scratch / f"{ex.name}.npz"
     proc = run([mpirun_path(), "-n", str(ex.ranks), sys.executable, "-m", f"mpipar.{ex.scheme}",
-                *ex.flags, *shared, "--save-params", str(saved)], copy)
+                *ex.flags, *shared, "--save-params", str(saved)], folder)
     if proc.returncode != 0:
         return why(proc)
     serial = scratch / f"serial-{'-'.join(ex.model)}.npz"  # exercises of one model share it
     if not serial.exists():
         proc = run([sys.executable, "-m", "mpipar.serial", *shared, "--save-params",
-                    str(serial)], copy)
+                    str(serial)], folder)
         if proc.returncode != 0:
             return f"the serial reference failed: {why(proc)}"
     with np.load(saved) as got, np.load(serial) as want:
         return first_mismatch(dict(got), dict(want))
 
 
-def check_tests(ex, copy):
+def check_tests(ex, folder):
     if not ex.tests:
         return None
     proc = run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                *ex.tests], copy, timeout=300)
+                *ex.tests], folder, timeout=300)
     return None if proc.returncode == 0 else f"{ex.tests[0].split('::')[-1]}: {why(proc)}"
 
 
@@ -224,10 +287,14 @@ def grade(copy, names=()):
     if not (copy / "mpipar" / "student.py").exists():
         raise SystemExit(f"error: {copy} is not a copy made by `python -m mpipar.student make`")
     exercises = [find(n) for n in names] if names else EXERCISES
-    failed = 0
+    failed, trained = 0, {}  # trained: the training checks' answers by command and code
     with tempfile.TemporaryDirectory() as scratch:
         for ex in exercises:
-            problem = check_training(ex, copy, Path(scratch)) or check_tests(ex, copy)
+            folder = isolate(ex, copy, Path(scratch))
+            key = (ex.ranks, ex.scheme, tuple(ex.flags), tuple(ex.model), exercise_code(folder))
+            if key not in trained:
+                trained[key] = check_training(ex, folder, Path(scratch))
+            problem = trained[key] or check_tests(ex, folder)
             failed += problem is not None
             print(f"{ex.name:16s} {'passed' if problem is None else 'FAILED: ' + problem}",
                   flush=True)

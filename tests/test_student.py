@@ -1,5 +1,6 @@
 """The student track: a copy whose exercises are stubs fails every one of them, the reference
-passes every one, and a one-element mistake is caught and named by the parameter it spoils."""
+passes every one, a one-element mistake is caught and named by the parameter it spoils, and an
+exercise passes by its own code while another that it calls is still a stub."""
 
 import ast
 import subprocess
@@ -66,6 +67,21 @@ def test_a_one_element_mistake_is_named(tmp_path):
     proc, lines = grade(copy, "ring-allreduce")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert lines["ring-allreduce"].startswith("FAILED: first mismatching parameter "), proc.stdout
+
+
+def test_each_exercise_is_graded_on_its_own(tmp_path):
+    """The row-parallel Linear calls g: written while g is still a stub, it passes (graded with
+    the reference's g), and g's own line still says that g is not written."""
+    copy, path = tmp_path / "copy", "mpipar/tensor_parallel.py"
+    student.make(copy)
+    source = student.restore_source((copy / path).read_text(), (ROOT / path).read_text(),
+                                    student.find("row-parallel").functions)
+    assert "exercise g-forward:" in source and "exercise row-parallel:" not in source
+    (copy / path).write_text(source)
+    proc, lines = grade(copy, "row-parallel", "g-forward")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert lines == {"row-parallel": "passed",
+                     "g-forward": "FAILED: not written yet (NotImplementedError)"}, proc.stdout
 
 
 def test_bad_input(tmp_path):
