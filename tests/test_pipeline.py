@@ -60,14 +60,18 @@ def test_interleaved_command_line_matches_serial(mpirun, tmp_path, capsys):
 
 def test_zero_bubble_command_line_matches_serial_and_1f1b_bitwise(mpirun, tmp_path, capsys):
     """--schedule zb-h1 on 2 ranks: the serial result, and exactly 1F1B's parameters: B and W
-    are the backward's arithmetic, run apart; every W adds its micro-batch in 1F1B's order."""
+    are the backward's arithmetic, run apart; every W adds its micro-batch in 1F1B's order.
+    With --explain, each stage narrates its W's (1F1B runs none apart)."""
     from mpipar import train
 
     saved = {name: tmp_path / f"{name}.npz" for name in ("zb-h1", "1f1b")}
     out = {name: mpirun(2, ["-m", "mpipar.pipeline", *MLP, "--schedule", name,
-                            "--micro-batches", "4", "--save-params", path, "--timeline", "none"],
-                        timeout=60).stdout for name, path in saved.items()}
+                            "--micro-batches", "4", "--save-params", path, "--timeline", "none",
+                            "--explain"], timeout=60).stdout for name, path in saved.items()}
     assert "schedule zb-h1, 4 micro-batches" in out["zb-h1"], out["zb-h1"]
+    for stage in (0, 1):
+        assert f"[rank {stage}] PP Step 7: stage {stage} runs W on micro-batch 3" in out["zb-h1"]
+    assert "runs W on" not in out["1f1b"], out["1f1b"]
     zb, one = (train.load_params(path) for path in saved.values())
     assert list(zb) == list(one) and all((zb[k] == one[k]).all() for k in zb)
     assert_matches_serial(out["zb-h1"], MLP, saved["zb-h1"], tmp_path, capsys)
