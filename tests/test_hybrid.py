@@ -1,7 +1,7 @@
-"""Hybrid 3D parallelism under mpirun: every layout of 4 and 8 ranks in the issue, with GPipe
-and 1F1B, equals the serial trainer; the command line (with synchronous sends) reports and
-saves what the serial trainer does; the grid prints as the layout formula says; bad layouts and
-sizes end every rank with one message."""
+"""Hybrid 3D parallelism under mpirun: the layouts (D, T, P) = (2,1,2), (1,2,2), (2,2,1) of 4
+ranks and (2,2,2) of 8, with GPipe and 1F1B, equal the serial trainer; the command line (with
+synchronous sends) reports and saves what the serial trainer does; the grid prints as the layout
+formula says; bad layouts and sizes end every rank with one message."""
 
 import re
 
