@@ -17,7 +17,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import ROOT
+from conftest import MPI_SCRIPTS, ROOT
 
 from mpipar import cli
 from mpipar import simulate as S
@@ -227,6 +227,21 @@ def test_lesson_7_hybrid_memory_claims_are_the_csv():
     assert "for p in bucket.params:" in text
 
 
+def test_lesson_7_averaging_mistake_fails_at_the_second_step_s_loss(mpirun):
+    """The lines lesson 7 shows, put where it says (tests/mpi/averaging_mistake.py), on 2
+    replicas: the first step's loss is the serial one (to the 1e-12 the hybrid checks ask), the
+    second is not. With SGD it differs by more than 1e-6; with Adam by far more than 1e-12 and
+    yet under 1e-6 (relative), the nearly invisible difference the lesson describes."""
+    out = mpirun(2, [MPI_SCRIPTS / "averaging_mistake.py"], timeout=60).stdout
+    found = re.findall(r"^(\w+) step (\d) loss (\S+) serial (\S+)$", out, re.M)
+    rel = {(optim, int(step)): abs(float(got) - float(want)) / abs(float(want))
+           for optim, step, got, want in found}
+    assert sorted(rel) == [("adam", 0), ("adam", 1), ("sgd", 0), ("sgd", 1)], out
+    assert rel["adam", 0] <= 1e-12 and rel["sgd", 0] <= 1e-12, rel
+    assert rel["sgd", 1] > 1e-6, rel
+    assert 1e-10 < rel["adam", 1] < 1e-6, rel
+
+
 # ----------------------------------------------------------------------------- lesson 9
 def test_lesson_9_link_numbers_are_the_csv():
     """The table lesson 9 shows is plots/link.csv's run (each rate's DP steps, exposed
@@ -268,11 +283,33 @@ def test_lesson_9_link_numbers_are_the_csv():
     assert f"({burst_bytes(10**10) / 1e6:.2f} MB)" in text
     assert f"load average {float(link[0]['loadavg_1min']):.1f};" in text
     errors = {key: float(r["prediction_error"]) for key, r in dp.items()}
-    worst = min(errors, key=errors.get)
-    assert all(-0.2 <= e < 0 for e in errors.values()), errors  # within 20%, all below
+    worst = max(errors, key=lambda key: abs(errors[key]))
+    assert all(abs(e) <= 0.2 for e in errors.values()), errors  # within 20%
     how = "one Allreduce" if worst[1] == "allreduce" else "with overlap"
-    assert f"({100 * errors[worst]:+.0f}% at worst, {how} at " \
-           f"{format_rate(parse_rate(worst[0]))})" in text
+    where = format_rate(parse_rate(worst[0]))
+    assert f"({100 * errors[worst]:+.0f}% at worst, {how} at {where})" in text
+    speed = {key: f"{float(r['speedup']):.2f}x" for key, r in dp.items()}
+    assert f"to {speed['1gbit', 'allreduce']} at 1 Gbit/s for one Allreduce " \
+           f"({speed['1gbit', 'allreduce+overlap']} with overlap) and " \
+           f"{speed['100mbit', 'allreduce']} at 100 Mbit/s" in text
+    assert float(dp["1gbit", "allreduce"]["speedup"]) < 1 < float(dp["none", "allreduce"]
+                                                                  ["speedup"])
+
+
+def test_lesson_9_speedup_table_is_the_csv():
+    """The speedup table lesson 9 shows (the last of bench link's output) is link.csv's."""
+    from mpipar.cluster import format_rate, parse_rate
+
+    link = rows("link.csv")
+    table = lesson("09").split("$ python -m mpipar.bench.link\n")[1].split("```")[0]
+    table = table.split("speedup over one process")[1].splitlines()
+    modes = table[1].split()[1:]
+    at = {(r["bandwidth"], r["mode"]): r for r in link if r.get("speedup")}
+    for rate in {rate for rate, _ in at}:
+        row = next(line for line in table if line.strip().startswith(
+            format_rate(parse_rate(rate))))
+        shown = re.findall(r"([\d.]+)x", row)
+        assert shown == [f"{float(at[rate, m]['speedup']):.2f}" for m in modes], (rate, row)
 
 
 def test_lesson_9_other_schemes_are_the_csv():
@@ -295,6 +332,9 @@ def test_lesson_9_other_schemes_are_the_csv():
     errors = [float(r["prediction_error"]) for r in at.values()]
     worst = max(errors, key=abs)
     assert f"{100 * worst:+.0f}% at worst" in text and max(map(abs, errors)) <= 0.2, errors
+    speed = {m: float(at["100mbit", m]["speedup"]) for m in ("pipeline", "tensor_parallel")}
+    assert f"{speed['pipeline']:.2f}x of one process, where tensor parallelism runs at " \
+           f"{speed['tensor_parallel']:.2f}x" in text
 
 
 # ----------------------------------------------------------------------------- README
