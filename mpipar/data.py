@@ -60,11 +60,23 @@ class Digits(Rows):
     n_in, n_out = 64, 10
 
     def __init__(self, seed=0):
-        from sklearn.datasets import load_digits
+        data = digits_table()
+        x = data[:, :-1] / 16.0  # pixel values are 0..16
+        self.split(x, data[:, -1].astype(np.int64), seed)
 
-        d = load_digits()
-        x = d.data.astype(np.float64) / 16.0  # pixel values are 0..16
-        self.split(x, d.target.astype(np.int64), seed)
+
+def digits_table():
+    """scikit-learn's digits file (a row per image: 64 pixels, then the label), read as its
+    load_digits reads it, without importing scikit-learn: that import costs about 0.9 s in
+    every process, the whole of a short run's start-up on each rank."""
+    import gzip
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("sklearn")  # finds the package without importing it
+    path = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz"
+    with gzip.open(path, "rt") as f:
+        return np.loadtxt(f, delimiter=",")
 
 
 class Text:

@@ -46,6 +46,20 @@ def test_save_params_round_trip(tmp_path, capsys):
     assert saved["blocks.1.attn.qkv.W"].dtype == np.float64
 
 
+def test_digits_are_scikit_learns_without_importing_it():
+    """data.digits_table reads the file load_digits reads, to the same values, in a process
+    that never imports scikit-learn (its import is most of a short run's start-up)."""
+    from sklearn.datasets import load_digits
+
+    table, reference = data.digits_table(), load_digits()
+    assert np.array_equal(table[:, :-1], reference.data)
+    assert np.array_equal(table[:, -1].astype(int), reference.target)
+    code = ("import sys; from mpipar import data; data.Digits(); "
+            "print('sklearn' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
 def test_batches_depend_on_seed_and_step_only():
     a, b = data.Digits(3), data.Digits(3)
     np.testing.assert_array_equal(a.batch(7, 32)[0], b.batch(7, 32)[0])
