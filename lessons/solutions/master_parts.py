@@ -1,5 +1,7 @@
 """The seed's master exchange taken apart: Reduce and Bcast timed separately, beside their
-alpha-beta(-gamma) models with the alpha, beta and gamma of plots/net.csv.
+alpha-beta(-gamma) models with the alpha, beta and gamma of plots/net.csv, and the Reduce
+written by hand as the literal master: the root receives each worker's array in turn and adds
+it with NumPy (the same bytes and the same sums as MPI's Reduce).
 
     mpirun -n 2 python lessons/solutions/master_parts.py        # 16 MiB of float64
 
@@ -34,10 +36,24 @@ def median_ms(fn, repeats=9, warmup=2):
     return slowest * 1e3
 
 
+def reduce_by_hand():
+    """Each worker sends its array to rank 0, which receives them one by one and adds them."""
+    if world.rank == 0:
+        out[:] = buf
+        for source in range(1, world.size):
+            world.Recv(scratch, source=source)
+            np.add(out, scratch, out=out)
+    else:
+        world.Send(buf, dest=0)
+
+
+scratch = np.empty_like(buf)
 calls = {"Reduce": lambda: world.Reduce(buf, out, root=0),
+         "Reduce by hand": reduce_by_hand,
          "Bcast": lambda: world.Bcast(out, root=0),
          "Reduce + Bcast": lambda: (world.Reduce(buf, out, root=0), world.Bcast(out, root=0))}
-model = {"Reduce": alpha + n_bytes * (beta + gamma), "Bcast": alpha + n_bytes * beta}
+model = {"Reduce": alpha + n_bytes * (beta + gamma), "Bcast": alpha + n_bytes * beta,
+         "Reduce by hand": (world.size - 1) * (alpha + n_bytes * (beta + gamma))}
 model["Reduce + Bcast"] = model["Reduce"] + model["Bcast"]
 rounds = {name: [] for name in calls}
 for _ in range(3):
