@@ -29,6 +29,20 @@ def use(name="numpy", dtype_name=None):
     return xp
 
 
+def cupy_problem():
+    """Why ``--backend cupy`` cannot run here, or None: CuPy not installed, or no GPU that
+    CUDA sees (the runner refuses the flag with this reason, on every rank)."""
+    try:
+        import cupy
+    except ImportError:
+        return "--backend cupy needs CuPy, which is not installed: pip install -e '.[gpu]'"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as err:  # no driver, no runtime: CuPy's own error says which
+        return f"--backend cupy needs a GPU, and CUDA says: {err}"
+    return None if count else "--backend cupy needs a GPU, and CUDA sees none"
+
+
 def set_dtype(name):
     """Set the default floating dtype from its name ("float32" or "float64")."""
     global dtype

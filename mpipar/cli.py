@@ -305,8 +305,9 @@ def parse_args(scheme, argv=None, n_ranks=None):
     for schemes, condition, message in FLAG_RULES:
         if scheme in schemes and condition(a):
             comm.refuse(message.format(a=a))
-    if a.overlap and a.bucket_mb is None:
-        a.bucket_mb = 25.0  # PyTorch DDP's default bucket size
+    a.bucket_mb = 25.0 if a.overlap and a.bucket_mb is None else a.bucket_mb  # DDP's default
+    if a.backend == "cupy" and B.cupy_problem():  # refused on every rank, before any array
+        comm.refuse(B.cupy_problem())
     B.use(a.backend, a.dtype)
     return a
 
@@ -320,9 +321,8 @@ def complete(a, scheme, n):
             setattr(a, key, value)
     absent = dict(explain=False, micro_batches=1, chunks=1, partition=None, bucket_mb=None,
                   overlap=False, dp=1, tp=1, pp=1, sequence_parallel=False)
-    for key, value in absent.items():
-        if not hasattr(a, key):
-            setattr(a, key, value)
+    for key, value in ((k, v) for k, v in absent.items() if not hasattr(a, k)):
+        setattr(a, key, value)
     a.dp, a.tp, a.pp = {"data_parallel": (n, 1, 1), "tensor_parallel": (1, n, 1),
                         "pipeline": (1, 1, n)}.get(scheme, (a.dp, a.tp, a.pp))
     if scheme == "hybrid" and a.dp is None and min(a.tp, a.pp) >= 1:

@@ -157,3 +157,13 @@ def _unchecked(scheme, flags, ranks):
 ])
 def test_new_refusals_end_every_rank_under_mpirun(ranks, scheme, flags, message):
     assert_refused(ranks, scheme, flags, message)
+
+
+@pytest.mark.skipif(__import__("mpipar.backend").backend.cupy_problem() is None,
+                    reason="CuPy and a GPU are here: --backend cupy runs")
+def test_backend_cupy_without_cupy_or_a_gpu_is_one_message_and_exit_2_on_every_rank():
+    """Without CuPy (or without a GPU) --backend cupy is refused once, with the reason, before
+    any array exists; every rank exits with code 2."""
+    from mpipar.backend import cupy_problem
+
+    assert_refused(2, "data_parallel", ["--backend", "cupy"], cupy_problem())
