@@ -617,14 +617,16 @@ def scheme_table(results, predicted, load):
 
 def plot(rows, path):
     """Step time against the link's rate, one panel per table: the measured step of each mode
-    or scheme as a bar, its exposed communication shaded, the prediction as a line over it."""
+    or scheme as a bar, its exposed communication shaded, the prediction as a line over it;
+    and a third panel, each one's speedup over one process against the rate."""
     from mpipar.bench.common import pyplot, save_figure
 
     plt = pyplot()
     dp = [r for r in rows if r["kind"] == "dp"]
     rates = sorted(dict.fromkeys(r["bandwidth"] for r in dp),
                    key=lambda rate: -(cluster.parse_rate(rate) or float("inf")))
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 8.4))
+    fig, (top, bottom, third) = plt.subplots(3, 1, figsize=(9, 12), height_ratios=(1, 1, 0.7))
+    speedup_panel(third, [r for r in rows if r.get("speedup")], rates)
     bars(top, dp, MODES, rates)
     top.set_ylabel("data-parallel step (ms), 2 ranks")
     top.set_title(f"DP step of the {dp[0]['bytes'] / 1e6:.1f} MB-gradient MLP across an "
@@ -637,8 +639,25 @@ def plot(rows, path):
     bottom.set_ylabel("step (ms), 2 ranks, one per host (log)")
     bottom.set_title("DP master and hand-written ring, tensor parallelism (GPT), pipeline "
                      "(GPT, 1F1B): measured and predicted", fontsize=9)
-    bottom.set_xlabel("link between the 2 emulated hosts")
     return save_figure(fig, path)
+
+
+def speedup_panel(ax, rows, rates):
+    """Each mode's and scheme's speedup over the serial step against the link's rate (log),
+    with the break-even line: below it two hosts train slower than one process."""
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        at = {r["bandwidth"]: r["speedup"] for r in rows if r["mode"] == mode}
+        ax.plot(range(len(rates)), [at[rate] for rate in rates], "o-", label=mode)
+    ax.axhline(1.0, color="black", lw=1, ls="--", label="one process")
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(rates)))
+    ax.set_xticklabels([cluster.format_rate(cluster.parse_rate(rate)) for rate in rates])
+    ax.set_ylabel("speedup over one process (log)")
+    ax.set_xlabel("link between the 2 emulated hosts")
+    ax.set_title("speedup of 2 ranks, one per host, over the serial trainer's step on the same "
+                 "model and batch", fontsize=9)
+    ax.legend(fontsize=7, ncol=3, loc="lower left")
+    ax.grid(alpha=0.3)
 
 
 def bars(ax, rows, modes, rates):
