@@ -1,0 +1,64 @@
+"""The serial step runs on an array module that refuses implicit host conversions (as CuPy
+does) and gives NumPy's parameters bit for bit: no layer, loss, optimizer or data path turns
+a device array into a host one behind the code's back."""
+
+import numpy as np
+import pytest
+import strict_xp
+
+from mpipar import backend as B
+from mpipar import serial
+from mpipar.cli import parse_args
+
+FLAGS = {
+    "mlp": ["--model", "mlp", "--optim", "adam", "--batch-size", "16"],
+    "gpt": ["--model", "gpt", "--optim", "adam", "--batch-size", "4", "--d-model", "16",
+            "--n-layers", "2", "--seq-len", "8"],
+}
+
+
+@pytest.fixture
+def strict(monkeypatch):
+    """``backend.xp`` set to the strict module for one test (the autouse fixture restores
+    NumPy afterwards; monkeypatch restores it too)."""
+    monkeypatch.setattr(B, "xp", strict_xp)
+    return strict_xp
+
+
+def test_strict_module_refuses_what_cupy_refuses(strict):
+    a, host = strict.arange(3.0), np.arange(3.0)
+    for convert in (np.asarray, np.array):
+        with pytest.raises(TypeError):
+            convert(a)
+    for mix in (lambda: a + host, lambda: np.exp(host) * a, lambda: strict.exp(host),
+                lambda: strict.concatenate([a, host]), lambda: a.dot(host)):
+        with pytest.raises(TypeError):
+            mix()
+    b = np.exp(a) * a + 1.0
+    assert isinstance(b, strict.ndarray) and isinstance(b.get(), np.ndarray)
+    assert np.array_equal(b.get(), np.exp(host) * host + 1.0) and float(b.sum()) > 0
+    assert type(B.to_numpy(b)) is np.ndarray and B.host(b) is not b
+
+
+def one_step(args):
+    """The parameters (host copies), the loss and the held-out evaluation after one serial
+    step."""
+    trainer = serial.Serial(serial.Task(args), None, args)
+    loss = trainer.step(0)
+    on_device = {type(p.data) for p in trainer.model.parameters()}
+    assert on_device == {B.xp.ndarray}, on_device
+    return trainer.full_params(), float(loss), trainer.task.evaluate(trainer.model.forward)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gpt"])
+def test_one_step_on_the_strict_module_equals_numpy(kind, monkeypatch):
+    # parse_args selects the module of --backend (numpy), so the strict one is set after it
+    args = parse_args("serial", FLAGS[kind] + ["--dtype", "float64", "--steps", "1"])
+    reference, reference_loss, reference_quality = one_step(args)
+    monkeypatch.setattr(B, "xp", strict_xp)
+    params, loss, quality = one_step(args)
+    assert loss == reference_loss and quality == reference_quality
+    assert sorted(params) == sorted(reference)
+    for name, value in params.items():
+        assert type(value) is np.ndarray, name
+        np.testing.assert_array_equal(value, reference[name], err_msg=name, strict=True)
