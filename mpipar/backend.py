@@ -101,16 +101,18 @@ def steady_heap():
 # -- staging for MPI (mpipar.comm): a pip MPICH is not CUDA-aware, so device arrays go through
 # host memory
 def host(a):
-    """The array MPI reads: itself for NumPy; a host copy for CuPy (stream synchronised first)."""
-    if xp is np:
+    """The array MPI reads: itself for NumPy (a host array, such as a message header, also
+    under CuPy); a host copy of a CuPy array (stream synchronised first)."""
+    if xp is np or isinstance(a, np.ndarray):
         return a
     synchronize()
     return to_numpy(a)
 
 
 def host_out(a):
-    """A host buffer for MPI to write into, and the device array to copy it back to (None)."""
-    if xp is np:
+    """A host buffer for MPI to write into, and the device array to copy it back to (None for
+    a host array: NumPy's, or a header received into host memory under CuPy)."""
+    if xp is np or isinstance(a, np.ndarray):
         return a, None
     return np.empty(a.shape, a.dtype), a
 

@@ -62,3 +62,11 @@ def test_one_step_on_the_strict_module_equals_numpy(kind, monkeypatch):
     for name, value in params.items():
         assert type(value) is np.ndarray, name
         np.testing.assert_array_equal(value, reference[name], err_msg=name, strict=True)
+
+
+def test_distributed_schemes_on_the_strict_module_equal_numpy(mpirun):
+    """Every scheme's staging of device arrays through host buffers for MPI, against NumPy
+    bit for bit (tests/mpi/strict_checks.py: the schemes and layouts it runs)."""
+    for n, wait in ((2, "spin"), (4, "backoff")):
+        proc = mpirun(n, ["tests/mpi/strict_checks.py"], timeout=60, env={"MPIPAR_WAIT": wait})
+        assert "strict checks passed:" in proc.stdout and "hybrid" in proc.stdout
