@@ -306,8 +306,8 @@ def parse_args(scheme, argv=None, n_ranks=None):
         if scheme in schemes and condition(a):
             comm.refuse(message.format(a=a))
     a.bucket_mb = 25.0 if a.overlap and a.bucket_mb is None else a.bucket_mb  # DDP's default
-    if a.backend == "cupy" and B.cupy_problem():  # refused on every rank, before any array
-        comm.refuse(B.cupy_problem())
+    if a.backend == "cupy" and (problem := B.cupy_problem()):  # on every rank, before arrays
+        comm.refuse(problem)
     B.use(a.backend, a.dtype)
     return a
 
@@ -321,8 +321,8 @@ def complete(a, scheme, n):
             setattr(a, key, value)
     absent = dict(explain=False, micro_batches=1, chunks=1, partition=None, bucket_mb=None,
                   overlap=False, dp=1, tp=1, pp=1, sequence_parallel=False)
-    for key, value in ((k, v) for k, v in absent.items() if not hasattr(a, k)):
-        setattr(a, key, value)
+    for key in [key for key in absent if not hasattr(a, key)]:
+        setattr(a, key, absent[key])
     a.dp, a.tp, a.pp = {"data_parallel": (n, 1, 1), "tensor_parallel": (1, n, 1),
                         "pipeline": (1, 1, n)}.get(scheme, (a.dp, a.tp, a.pp))
     if scheme == "hybrid" and a.dp is None and min(a.tp, a.pp) >= 1:

@@ -102,7 +102,12 @@ def run_ranks(n, module, args=(), timeout=600, env=None):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}")
-    return [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    return emitted(proc.stdout)
+
+
+def emitted(stdout):
+    """The JSON objects of the ``RESULT `` lines (:func:`emit`) in a launch's output."""
+    return [json.loads(line[7:]) for line in stdout.splitlines() if line.startswith("RESULT ")]
 
 
 def emit(obj):

@@ -62,7 +62,15 @@ import sys
 import time
 
 from mpipar import cluster
-from mpipar.bench.common import ONE_THREAD, bench_parser, environment, write_csv, wrote
+from mpipar.bench.common import (
+    ONE_THREAD,
+    bench_parser,
+    emitted,
+    environment,
+    run_ranks,
+    write_csv,
+    wrote,
+)
 
 SIZES = (8, 2**20, 2**22)  # bytes: the latency; 1 MiB; 4 MiB, several token-bucket bursts
 BETA = 2**22  # the message whose time per byte is the link's beta (:func:`alpha_beta`)
@@ -299,22 +307,14 @@ def measure(bits, repeats, rounds):
         env = c.env(dict(os.environ, **ONE_THREAD))
         pairs = read_pairs(launch(4, ["--pingpong", "--repeats", str(repeats)], env))
         out = launch(2, ["--worker", "dp", "--rounds", str(rounds)], env)
-    steps = {r["mode"]: r for r in (json.loads(line[7:]) for line in out.splitlines()
-                                    if line.startswith("RESULT "))}
-    return pairs, steps
+    return pairs, {r["mode"]: r for r in emitted(out)}
 
 
 def serial_steps(rounds):
     """{scheme: the serial trainer's step on its model and batch} (:func:`serial_worker`, one
     process on this machine: no link)."""
-    proc = subprocess.run([sys.executable, "-m", "mpipar.bench.link", "--worker", "serial",
-                           "--rounds", str(rounds)], env=dict(os.environ, **ONE_THREAD),
-                          capture_output=True, text=True, timeout=600)
-    if proc.returncode:
-        raise SystemExit(f"the serial steps failed:\n{proc.stdout}\n{proc.stderr}")
-    results = (json.loads(line[7:]) for line in proc.stdout.splitlines()
-               if line.startswith("RESULT "))
-    return {r["mode"]: r["seconds"] for r in results}
+    return {r["mode"]: r["seconds"] for r in run_ranks(1, "mpipar.bench.link", [
+        "--worker", "serial", "--rounds", rounds])}
 
 
 def drive(rates, passes, repeats, rounds):
@@ -431,15 +431,14 @@ def predictions(results):
     rate (by a quarter in one run, more than the link's effect at 10 Gbit/s), while the link
     moves only the communication: what is predicted is the communication. The unlimited
     rate's compute is kept beside it to show how far it moved."""
-    base = results[compute_rate(results)][1]
-    pairs0 = results[compute_rate(results)][0]
+    pairs0, base = results[compute_rate(results)]
     out = {}
     for rate, (pairs, steps) in results.items():
         alpha, beta = alpha_beta(pairs)
         out[rate] = {}
         for m in MODES:
             samples = steps[m]["samples"]
-            compute = statistics.median(s[0] - s[2] for s in samples)
+            compute = sync_free(samples)
             if m == "allreduce":
                 pred = predict_step(compute, [(0.0, steps[m]["grad_bytes"])], alpha, beta)
             else:
@@ -449,16 +448,20 @@ def predictions(results):
                                      f"{len(steps[m]['buckets'])} buckets")
                 pred = predict_step(compute, list(zip(posted, steps[m]["buckets"])), alpha,
                                     beta, statistics.median(s[3] for s in samples))
-            unlimited = statistics.median(s[0] - s[2] for s in base[m]["samples"])
-            out[rate][m] = pred, compute, unlimited
+            out[rate][m] = pred, compute, sync_free(base[m]["samples"])
         for m in SYNC:
-            compute = statistics.median(s[0] - s[2] for s in steps[m]["samples"])
-            unlimited = statistics.median(s[0] - s[2] for s in base[m]["samples"])
+            compute = sync_free(steps[m]["samples"])
             out[rate][m] = (predict_sync(compute, steps[m]["grad_bytes"], m, alpha, beta),
-                            compute, unlimited)
+                            compute, sync_free(base[m]["samples"]))
         out[rate]["tensor_parallel"] = tp_prediction(base, steps, alpha, beta)
         out[rate]["pipeline"] = pp_prediction(base, alpha_beta(pairs0), steps, alpha, beta)
     return out
+
+
+def sync_free(samples):
+    """The median data-parallel step less the exposed communication of the rank that
+    exposed least (the rank the step waits for): its compute."""
+    return statistics.median(s[0] - s[2] for s in samples)
 
 
 def mpi_free(samples):
