@@ -9,6 +9,9 @@ import numpy as np
 
 xp = np  # the array module in use: numpy, or cupy after use("cupy")
 dtype = np.float32  # the default floating dtype of parameters and activations
+CUDA_AWARE = False  # MPI reads and writes device arrays itself (set by use("cupy"))
+DEVICE = None  # (this rank's GPU, GPUs seen, local rank) once use("cupy") has chosen one
+STAGED = {"copies": 0, "to host": 0, "to device": 0}  # bytes staged for MPI, this rank
 
 
 def use(name="numpy", dtype_name=None):
@@ -22,6 +25,7 @@ def use(name="numpy", dtype_name=None):
         except ImportError as err:  # the gpu extra is optional
             raise SystemExit("--backend cupy needs CuPy: pip install -e '.[gpu]'") from err
         xp = cupy
+        select_device()
     else:
         raise ValueError(f"unknown backend {name!r}: choose numpy or cupy")
     if dtype_name is not None:
@@ -41,6 +45,65 @@ def cupy_problem():
     except Exception as err:  # no driver, no runtime: CuPy's own error says which
         return f"--backend cupy needs a GPU, and CUDA says: {err}"
     return None if count else "--backend cupy needs a GPU, and CUDA sees none"
+
+
+def local_rank():
+    """This rank's number among the ranks on its own machine (MPI's shared-memory split)."""
+    from mpi4py import MPI
+
+    local = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    rank = local.Get_rank()
+    local.Free()
+    return rank
+
+
+def device_for(local, count):
+    """The GPU a rank uses: its local rank modulo the GPUs it sees, so that four ranks on a
+    machine with one GPU share it and eight ranks on four GPUs take two each."""
+    return local % count
+
+
+def cuda_aware():
+    """Whether MPI moves device buffers itself: ``MPIPAR_CUDA_AWARE=0|1`` if set, else the MPI
+    library's answer (``MPIX_Query_cuda_support``, an extension of MPICH and Open MPI; False
+    where the library lacks it). A pip MPICH answers 0: it is built without CUDA."""
+    import ctypes
+    import os
+
+    from mpi4py import MPI
+
+    if os.environ.get("MPIPAR_CUDA_AWARE") in ("0", "1"):
+        return os.environ["MPIPAR_CUDA_AWARE"] == "1"
+    query = getattr(ctypes.CDLL(MPI.__file__), "MPIX_Query_cuda_support", None)
+    return bool(query()) if query is not None else False
+
+
+def select_device():
+    """Under CuPy: make this rank's GPU current (:func:`device_for`) and ask MPI whether it
+    is CUDA-aware (every rank calls this, from :func:`use`: the local rank is a collective)."""
+    global CUDA_AWARE, DEVICE
+    local, count = local_rank(), xp.cuda.runtime.getDeviceCount()
+    DEVICE = (device_for(local, count), count, local)
+    xp.cuda.Device(DEVICE[0]).use()
+    CUDA_AWARE = cuda_aware()
+
+
+def describe():
+    """One line on where arrays live and how MPI reaches them (the runner prints it)."""
+    if xp is np:
+        return "backend numpy: arrays in host memory, handed to MPI as they are"
+    device, count, local = DEVICE if DEVICE else (0, 1, 0)
+    how = ("device buffers handed to MPI directly (CUDA-aware MPI)" if CUDA_AWARE else
+           "MPI buffers staged through pinned host memory (MPI is not CUDA-aware): one "
+           "counted copy each way per call")
+    return f"backend cupy: local rank {local} on GPU {device} of {count}; {how}"
+
+
+def staged_line():
+    """This rank's staging counts, for the end of a run."""
+    return (f"staged for MPI on this rank: {STAGED['copies']} copies, "
+            f"{STAGED['to host'] / 1e6:.3f} MB device->host, "
+            f"{STAGED['to device'] / 1e6:.3f} MB host->device")
 
 
 def set_dtype(name):
@@ -99,25 +162,50 @@ def steady_heap():
 
 
 # -- staging for MPI (mpipar.comm): a pip MPICH is not CUDA-aware, so device arrays go through
-# host memory
+# host memory, each crossing one explicit copy counted in STAGED
+def pinned(shape, dtype_):
+    """An empty host array in page-locked memory (CuPy's pinned pool: the GPU copies to and
+    from it directly); plain host memory where the module has no pinned allocator."""
+    alloc = getattr(getattr(xp, "cuda", None), "alloc_pinned_memory", None)
+    if alloc is None:
+        return np.empty(shape, dtype_)
+    size = int(np.prod(shape, dtype=np.int64))
+    memory = alloc(size * np.dtype(dtype_).itemsize)  # back to the pool when the array goes
+    return np.frombuffer(memory, dtype_, size).reshape(shape)
+
+
 def host(a):
-    """The array MPI reads: itself for NumPy (a host array, such as a message header, also
-    under CuPy); a host copy of a CuPy array (stream synchronised first)."""
+    """The array MPI reads: itself for NumPy, for a host array (such as a message header,
+    also under CuPy) and for a device array when MPI is CUDA-aware; else a pinned host copy
+    of the device array (stream synchronised first), counted in STAGED."""
     if xp is np or isinstance(a, np.ndarray):
         return a
     synchronize()
-    return to_numpy(a)
+    if CUDA_AWARE:
+        return a
+    out = pinned(a.shape, a.dtype)
+    a.get(out=out)
+    STAGED["copies"] += 1
+    STAGED["to host"] += a.nbytes
+    return out
 
 
 def host_out(a):
     """A host buffer for MPI to write into, and the device array to copy it back to (None for
-    a host array: NumPy's, or a header received into host memory under CuPy)."""
+    a host array: NumPy's, or a header received into host memory under CuPy, and for a device
+    array that a CUDA-aware MPI writes itself)."""
     if xp is np or isinstance(a, np.ndarray):
         return a, None
-    return np.empty(a.shape, a.dtype), a
+    if CUDA_AWARE:
+        synchronize()  # the stream's earlier work on it is done before MPI writes
+        return a, None
+    return pinned(a.shape, a.dtype), a
 
 
 def copy_back(host, dev):
-    """Copy what MPI wrote into ``host`` to the device array ``dev`` (nothing for NumPy)."""
+    """Copy what MPI wrote into ``host`` to the device array ``dev`` (nothing for NumPy),
+    counted in STAGED."""
     if dev is not None:
-        dev[...] = asarray(host)
+        dev.set(host)
+        STAGED["copies"] += 1
+        STAGED["to device"] += dev.nbytes

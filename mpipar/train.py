@@ -348,8 +348,8 @@ def main(scheme, argv=None):
     start, loss = checkpoint.load(a.resume, trainer, a) if a.resume else (0, None)
     report = REPORTS[scheme](a, task, trainer, grid, start)
     probe = memory.Probe(trainer) if a.memory else None  # counts through the first step
-    comm.log(report.header() + (f"\nresumed from {a.resume} after step {start}" if a.resume
-                                else ""))
+    comm.log(report.header() + (f"\n{B.describe()}" if a.backend == "cupy" else "")
+             + (f"\nresumed from {a.resume} after step {start}" if a.resume else ""))
     with np.errstate(over="ignore", invalid="ignore"):  # a diverging run stops with one line
         loss = train(trainer, a, report.desc, report.after_step, start, loss)
     comm.EXPLAIN = a.explain
@@ -364,7 +364,7 @@ def main(scheme, argv=None):
     for line in before:
         comm.log(line)
     comm.log(final_line(task.evaluate(task.model_with(params).forward), loss))
-    for line in after:
+    for line in after + [B.staged_line()] * (a.backend == "cupy"):
         comm.log(line)
     bad = [name for name, value in params.items() if not np.isfinite(value).all()]
     if bad:  # the loss was finite, but a parameter is not: never save such a model

@@ -67,9 +67,23 @@ class ndarray(NDArrayOperatorsMixin):  # noqa: N801 (named as cupy.ndarray)
     def __array_function__(self, func, types, args, kwargs):
         return _wrap(func(*_unwrap(args), **_unwrap(kwargs)))
 
-    def get(self):
-        """A host (NumPy) copy, the one explicit way out."""
-        return self._a.copy()
+    def get(self, stream=None, order="C", out=None):
+        """A host (NumPy) copy, the one explicit way out; into ``out`` (a host array of the
+        same shape and dtype, as CuPy checks) when given."""
+        if out is None:
+            return self._a.copy()
+        if not isinstance(out, np.ndarray) or out.shape != self._a.shape or \
+                out.dtype != self._a.dtype:
+            raise TypeError("get(out=...) needs a NumPy array of the same shape and dtype")
+        out[...] = self._a
+        return out
+
+    def set(self, arr, stream=None):
+        """Copy a host array of the same shape and dtype in (``cupy.ndarray.set``)."""
+        if not isinstance(arr, np.ndarray) or arr.shape != self._a.shape or \
+                arr.dtype != self._a.dtype:
+            raise TypeError("set() needs a NumPy array of the same shape and dtype")
+        self._a[...] = arr
 
     def __getitem__(self, key):
         return _wrap(self._a[_host_ok(key)])
@@ -128,8 +142,8 @@ zeros_like, empty_like, ones_like = _device(np.zeros_like), _device(np.empty_lik
     _device(np.ones_like)
 ascontiguousarray, array_split = _device(np.ascontiguousarray), _device(np.array_split)
 concatenate, moveaxis, where = _device(np.concatenate), _device(np.moveaxis), _device(np.where)
-exp, log, sqrt, tanh, matmul = (_device(f) for f in (np.exp, np.log, np.sqrt, np.tanh,
-                                                    np.matmul))
+exp, log, sqrt, tanh, matmul, maximum = (_device(f) for f in (np.exp, np.log, np.sqrt,
+                                                             np.tanh, np.matmul, np.maximum))
 
 
 class _Add:

@@ -64,9 +64,55 @@ def test_one_step_on_the_strict_module_equals_numpy(kind, monkeypatch):
         np.testing.assert_array_equal(value, reference[name], err_msg=name, strict=True)
 
 
-def test_distributed_schemes_on_the_strict_module_equal_numpy(mpirun):
+def test_staging_is_one_counted_copy_each_way(strict, monkeypatch):
+    """MPI without CUDA support reads a host copy of a device array and writes into a host
+    buffer that is then copied to the device: each crossing is counted; host arrays (the
+    pipeline's headers) and, with a CUDA-aware MPI, device arrays go to MPI as they are."""
+    monkeypatch.setattr(B, "STAGED", dict.fromkeys(B.STAGED, 0))
+    a = strict.arange(6.0).reshape(2, 3)
+    sent = B.host(a)
+    assert type(sent) is np.ndarray and np.array_equal(sent, np.arange(6.0).reshape(2, 3))
+    buf, dev = B.host_out(a)
+    assert type(buf) is np.ndarray and dev is a
+    buf[...] = 7.0
+    B.copy_back(buf, dev)
+    assert np.array_equal(a.get(), np.full((2, 3), 7.0))
+    assert B.STAGED == {"copies": 2, "to host": 48, "to device": 48}
+    assert B.staged_line() == ("staged for MPI on this rank: 2 copies, 0.000 MB device->host, "
+                               "0.000 MB host->device")
+    header = np.zeros(3)
+    assert B.host(header) is header and B.host_out(header) == (header, None)
+    monkeypatch.setattr(B, "CUDA_AWARE", True)
+    assert B.host(a) is a and B.host_out(a) == (a, None)
+    assert B.STAGED["copies"] == 2 and "staged through" not in B.describe()
+
+
+def test_each_rank_takes_its_local_rank_modulo_the_gpus():
+    assert [B.device_for(r, 1) for r in range(4)] == [0, 0, 0, 0]  # a learner's one GPU
+    assert [B.device_for(r, 4) for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+
+
+def test_a_pip_mpich_is_not_cuda_aware_unless_told(monkeypatch):
+    monkeypatch.delenv("MPIPAR_CUDA_AWARE", raising=False)
+    assert B.cuda_aware() is False  # MPIX_Query_cuda_support answers 0
+    monkeypatch.setenv("MPIPAR_CUDA_AWARE", "1")
+    assert B.cuda_aware() is True
+
+
+def test_distributed_schemes_on_the_strict_module_equal_numpy(mpirun, tmp_path):
     """Every scheme's staging of device arrays through host buffers for MPI, against NumPy
     bit for bit (tests/mpi/strict_checks.py: the schemes and layouts it runs)."""
     for n, wait in ((2, "spin"), (4, "backoff")):
-        proc = mpirun(n, ["tests/mpi/strict_checks.py"], timeout=60, env={"MPIPAR_WAIT": wait})
+        proc = mpirun(n, ["tests/mpi/strict_checks.py", tmp_path], timeout=60,
+                      env={"MPIPAR_WAIT": wait})
         assert "strict checks passed:" in proc.stdout and "hybrid" in proc.stdout
+
+
+def test_the_engine_benchmark_runs_both_steps_on_a_device_module(strict, monkeypatch):
+    """`bench engine --backend cupy`'s timed part on the stand-in: the engine's step and the
+    bare step (written with the module's calls) on device arrays, agreeing on the loss."""
+    from mpipar.bench import engine
+
+    monkeypatch.setattr(B, "dtype", np.float32)
+    engine_s, bare_s, ratio, fastest = engine.measure(16, repeats=2)
+    assert engine_s > 0 and bare_s > 0 and ratio > 0 and fastest > 0
