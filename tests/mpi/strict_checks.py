@@ -1,5 +1,5 @@
-"""mpirun -n 2 (or 4) python tests/mpi/strict_checks.py: the distributed schemes on an array module
-that refuses implicit host conversions (tests/strict_xp.py, CuPy's rules on NumPy).
+"""mpirun -n 2 (or 4) python tests/mpi/strict_checks.py FOLDER: the distributed schemes on an
+array module that refuses implicit host conversions (tests/strict_xp.py, CuPy's rules on NumPy).
 
 Every MPI call stages device arrays through host buffers (``backend.host``, ``host_out`` and
 ``copy_back``, called by mpipar.comm); with CuPy that is the only way an array reaches MPI.
@@ -8,8 +8,11 @@ NumPy and once on the strict module (set after ``parse_args``, which selects Num
 for 2 steps; the strict one must hold strict arrays, and the full parameters gathered to rank 0
 must equal NumPy's bit for bit (the strict module computes with NumPy, so any difference is a
 path that runs differently on a device). On 2 ranks: data parallelism (master, ring,
-allreduce with buckets and overlap, ZeRO-1), tensor and pipeline (1F1B) parallelism, the
-hybrid's data parallelism; on 4 ranks the hybrid with dp=2, tp=2 and with dp=2, pp=2.
+allreduce with buckets, overlap and clipping, ZeRO-1, -2 and -3 with the memory ledger),
+tensor parallelism (with sequence parallelism and recomputation), the pipeline (GPipe, 1F1B,
+interleaved, ZB-H1), the hybrid's data parallelism; on 4 ranks the hybrid with dp=2, tp=2 and
+with dp=2, pp=2. Where the flags name ``--checkpoint``, the trainer saves into FOLDER after the
+steps and a new trainer resumes from there and takes one step more.
 
 The pipeline's message headers are NumPy arrays even under CuPy (mpipar/pipeline.py >
 send_tensor): ``backend.host_out`` and ``host`` pass a host array through untouched. Before
@@ -27,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: the s
 import strict_xp  # noqa: E402
 
 from mpipar import backend as B
+from mpipar import checkpoint, clip, memory, recompute, serial
 from mpipar import comm as C
-from mpipar import serial
 from mpipar.cli import parse_args
 from mpipar.grid import Grid
 from mpipar.train import trainer_class
@@ -43,12 +46,25 @@ BUCKET = ["--bucket-mb", "0.002"]  # 2 KiB: several buckets
 CHECKS = [  # (name, scheme, flags, grid)
     ("dp master", "data_parallel", MLP + ["--sync", "master"], dict(dp=N)),
     ("dp ring", "data_parallel", GPT + ["--sync", "ring"], dict(dp=N)),
-    ("dp allreduce, buckets, overlap", "data_parallel",
-     GPT + ["--sync", "allreduce", *BUCKET, "--overlap"], dict(dp=N)),
-    ("dp zero 1", "data_parallel",
-     MLP + ["--sync", "allreduce", "--zero", "1", "--optim", "adam"], dict(dp=N)),
-    ("tp gpt", "tensor_parallel", GPT, dict(tp=N)),
-    ("pp 1f1b gpt", "pipeline", GPT + ["--schedule", "1f1b", "--micro-batches", "2"],
+    ("dp allreduce, buckets, overlap, clipping", "data_parallel",
+     GPT + ["--sync", "allreduce", *BUCKET, "--overlap", "--clip-grad", "0.05"], dict(dp=N)),
+    ("dp zero 1, checkpoint", "data_parallel",
+     MLP + ["--sync", "allreduce", "--zero", "1", "--optim", "adam", "--checkpoint", "ckpt"],
+     dict(dp=N)),
+    ("dp zero 2", "data_parallel", MLP + ["--sync", "allreduce", "--zero", "2", "--optim", "adam"],
+     dict(dp=N)),
+    ("dp zero 3, memory ledger", "data_parallel",
+     GPT + ["--sync", "allreduce", "--zero", "3", "--optim", "adam", "--memory"], dict(dp=N)),
+    ("tp gpt, checkpoint", "tensor_parallel", GPT + ["--checkpoint", "ckpt"], dict(tp=N)),
+    ("tp gpt, sequence parallel, recompute", "tensor_parallel",
+     GPT + ["--sequence-parallel", "--recompute", "full"], dict(tp=N)),
+    ("pp gpipe mlp", "pipeline", MLP + ["--schedule", "gpipe", "--micro-batches", "2"],
+     dict(pp=N)),
+    ("pp 1f1b gpt, checkpoint", "pipeline",
+     GPT + ["--schedule", "1f1b", "--micro-batches", "2", "--checkpoint", "ckpt"], dict(pp=N)),
+    ("pp interleaved mlp", "pipeline",
+     MLP + ["--schedule", "interleaved", "--micro-batches", "4"], dict(pp=N)),
+    ("pp zb-h1 gpt", "pipeline", GPT + ["--schedule", "zb-h1", "--micro-batches", "4"],
      dict(pp=N)),
     ("hybrid dp", "hybrid", GPT + ["--dp", str(N), "--tp", "1", "--pp", "1"], dict(dp=N)),
 ] if N == 2 else [  # 4 ranks: the hybrid's replicas of a tensor-parallel model
@@ -57,6 +73,7 @@ CHECKS = [  # (name, scheme, flags, grid)
     ("hybrid dp=2 pp=2", "hybrid", GPT + ["--dp", "2", "--tp", "1", "--pp", "2"],
      dict(dp=2, tp=1, pp=2)),
 ]
+FOLDER = Path(sys.argv[1]) if len(sys.argv) > 1 else None  # for the checkpoints
 
 
 def parameters(trainer):
@@ -68,18 +85,45 @@ def parameters(trainer):
                 yield from module.parameters()
 
 
+def build(scheme, args, task, grid):
+    """The trainer as the runner builds it (mpipar.train.main), with recomputation and
+    clipping when the flags ask."""
+    trainer = trainer_class(scheme, args)(task, grid, args)
+    if args.recompute:
+        recompute.apply(trainer, args.recompute)
+    if args.clip_grad:
+        clip.apply(trainer, args.clip_grad)
+    kinds = {type(p.data) for p in parameters(trainer)} - {type(None)}
+    gathered = getattr(args, "zero", 0) == 3  # ZeRO-3 holds whole parameters only in a step
+    assert kinds == (set() if gathered else {B.xp.ndarray}), (scheme, kinds)
+    return trainer
+
+
 def run(scheme, flags, grid_shape, strict):
-    """Rank 0's full parameters {name: host array} after STEPS steps, on NumPy or strict."""
+    """Rank 0's full parameters {name: host array} after STEPS steps, on NumPy or strict. With
+    ``--checkpoint``, the trainer saves after the steps, a new one resumes from there and
+    takes one step more (both on the same module)."""
     args = parse_args(scheme, flags + ["--dtype", "float64", "--steps", str(STEPS), "--quiet"],
                       N)
+    if args.checkpoint:
+        args.checkpoint = FOLDER / f"{scheme}-{'strict' if strict else 'numpy'}"
+        args.checkpoint.mkdir(exist_ok=True)
     if strict:
         B.xp = strict_xp  # after parse_args, which calls B.use
     try:
-        trainer = trainer_class(scheme, args)(serial.Task(args), Grid(**grid_shape), args)
-        kinds = {type(p.data) for p in parameters(trainer)}
-        assert kinds == {B.xp.ndarray}, (scheme, kinds)
+        task, grid = serial.Task(args), Grid(**grid_shape)
+        trainer = build(scheme, args, task, grid)
+        probe = memory.Probe(trainer) if args.memory else None
         for step in range(STEPS):
-            trainer.step(step)
+            loss = trainer.step(step)
+        if probe is not None:  # the ledger's table on rank 0, every rank counted
+            table = memory.lines(probe, args, task, grid)
+            assert RANK or (table[0].startswith("memory per rank") and len(table) == N + 3)
+        if args.checkpoint:
+            checkpoint.save(args.checkpoint, trainer, args, STEPS, loss)
+            trainer = build(scheme, args, task, grid)
+            assert checkpoint.load(args.checkpoint, trainer, args)[0] == STEPS
+            trainer.step(STEPS)
         params = trainer.full_params()
     finally:
         B.use("numpy", "float64")
