@@ -64,8 +64,6 @@ import argparse
 import os
 import statistics
 
-import numpy as np
-
 from mpipar.bench.common import (
     bench_parser,
     cores,
@@ -106,23 +104,26 @@ class BareStep:
         named = list(trainer.model.named_parameters())
         self.Ws = [p.data.copy() for name, p in named if name.endswith(".W")]
         self.bs = [p.data.copy() for name, p in named if name.endswith(".b")]
-        self.velocity = ([np.zeros_like(w) for w in self.Ws], [np.zeros_like(b) for b in self.bs])
+        self.velocity = ([w * 0 for w in self.Ws], [b * 0 for b in self.bs])  # on their device
         self.task, self.opt = trainer.task, trainer.opt
 
     def step(self, step):
+        from mpipar import backend as B
         from mpipar.bench.engine import bare_step
 
         x, y = self.task.to_device(*self.task.batch(step))
-        return bare_step(self.Ws, self.bs, x, y, self.opt.lr, self.opt.momentum, self.velocity)
+        return bare_step(self.Ws, self.bs, x, y, self.opt.lr, self.opt.momentum, self.velocity,
+                         xp=B.xp)
 
 
-def worker(rounds, warmup):
+def worker(rounds, warmup, backend="numpy"):
     from mpi4py import MPI
 
     from mpipar import backend as B
     from mpipar import comm as C
     from mpipar import serial
     from mpipar.bench.common import emit
+    from mpipar.bench.engine import device_name
     from mpipar.cli import parse_args
     from mpipar.grid import Grid
     from mpipar.trace import TRACE
@@ -136,7 +137,7 @@ def worker(rounds, warmup):
     dp_comm = grid.dp_comm
     task, trainers = None, {}
     for mode, flags in MODES.items():
-        args = parse_args("data_parallel", MODEL + flags, dp_comm.size)
+        args = parse_args("data_parallel", MODEL + flags + ["--backend", backend], dp_comm.size)
         task = serial.Task(args, task and task.data)  # the data depends on the model flags only
         trainers[mode] = trainer_class("data_parallel", args)(task, grid, args)
     timed = dict(trainers, bare=BareStep(trainers["allreduce"])) if dp_comm.size == 1 else trainers
@@ -154,6 +155,7 @@ def worker(rounds, warmup):
             TRACE.clear()
             t0 = MPI.Wtime()
             dp.step(step)
+            B.synchronize()  # on a GPU: the step's kernels are done
             t = MPI.Wtime() - t0
             step += 1
             sync = sum(e[1] - e[0] for e in TRACE.events if e[2] == "sync")
@@ -172,6 +174,8 @@ def worker(rounds, warmup):
                   "bucket_bytes": [b.flat.nbytes for b in dp.sync.buckets]
                   if hasattr(dp, "sync") else [],
                   "optimizer_state_bytes": state[mode], "steady_heap": heap,
+                  "device": device_name() if backend == "cupy" else "cpu",
+                  "cuda_aware": B.CUDA_AWARE,
                   "bare_s": [s[0] for s in samples.get("bare", [])]})
 
 
@@ -240,10 +244,17 @@ def main(argv=None):
     ap = bench_parser("dp", "one launch per rank count, few rounds")
     ap.sized("--rounds", 6, 3, type=int, help="timed steps per mode and launch")
     ap.add_argument("--warmup", type=int, default=2, help=argparse.SUPPRESS)
+    ap.add_argument("--backend", choices=["numpy", "cupy"], default="numpy",
+                    help="cupy: every rank's arrays on a GPU, the ranks sharing the GPUs there "
+                         "are (dp_gpu.csv, dp_gpu_speedup.png)")
     args = ap.parse_args(argv)
     if args.worker:
-        worker(args.rounds, args.warmup)
+        worker(args.rounds, args.warmup, args.backend)
         return
+    from mpipar.backend import cupy_problem
+
+    if args.backend == "cupy" and (problem := cupy_problem()):
+        ap.exit(2, f"error: {problem}\n")
 
     from mpipar.bench.net import measure_alpha_beta, measure_gamma, predict
 
@@ -258,7 +269,8 @@ def main(argv=None):
     for _ in range(passes):  # P = 1, 2, 4, then again: slow phases of the machine hit all P
         for p in RANKS:
             for res in run_ranks(p, "mpipar.bench.dp",
-                                 ["--worker", "--rounds", rounds, "--warmup", args.warmup]):
+                                 ["--worker", "--rounds", rounds, "--warmup", args.warmup,
+                                  "--backend", args.backend]):
                 key = (p, res["mode"])
                 if key in runs:
                     runs[key]["samples"] += res["samples"]
@@ -278,7 +290,9 @@ def main(argv=None):
             else:
                 pred = predict(ALGO[mode], p, res["grad_bytes"], alpha, beta, gamma)
             speedup = base[mode] / step
-            rows.append(dict(environment(ranks=p), bench="dp", model=f"mlp {SIZES}",
+            rows.append(dict(environment(ranks=p), bench="dp", backend=args.backend,
+                             device=res["device"], cuda_aware=res["cuda_aware"],
+                             model=f"mlp {SIZES}",
                              batch=BATCH, dtype="float32", params=res["params"], mode=mode,
                              buckets=res["buckets"], step_ms=round(step * 1e3, 3),
                              speedup=round(speedup, 3), efficiency=round(speedup / p, 3),
@@ -296,8 +310,9 @@ def main(argv=None):
                                                    runs[(2, row["mode"])]["samples"])]
             row.update(vs_2_ranks=round(statistics.median(ratios), 3),
                        vs_2_ranks_min=round(min(ratios), 3), vs_2_ranks_max=round(max(ratios), 3))
-    path = write_csv("dp.csv", rows, args.out)
-    png = plot(rows, args.out / "dp_speedup.png")
+    name = "dp_gpu" if args.backend == "cupy" else "dp"
+    path = write_csv(f"{name}.csv", rows, args.out)
+    png = plot(rows, args.out / f"{name}_speedup.png")
     print(f"{'ranks':>5} {'mode':<18} {'step ms':>8} {'speedup':>8} {'comm %':>7} "
           f"{'grad comm ms':>13} {'model ms':>9} {'opt state':>10}")
     for r in rows:
@@ -305,7 +320,8 @@ def main(argv=None):
               f"{100 * r['comm_share']:6.1f}% {r['grad_comm_ms']:13.2f} "
               f"{r['predicted_comm_ms']:9.2f} {r['optimizer_state_bytes']:10d}"
               + ("  (oversubscribed)" if r["oversubscribed"] else ""))
-    print(f"1 rank against bare NumPy doing the same step (target <= {BARE_TARGET}x; median "
+    bare = "CuPy" if args.backend == "cupy" else "NumPy"
+    print(f"1 rank against bare {bare} doing the same step (target <= {BARE_TARGET}x; median "
           "over rounds, range):")
     for r in (r for r in rows if r["ranks"] == 1):
         print(f"      {r['mode']:<18} {r['bare_ms']:8.1f} ms bare: {r['vs_bare']:.3f}x "
