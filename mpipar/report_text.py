@@ -10,7 +10,7 @@ model's numbers come in as the rows :mod:`mpipar.validate` and :mod:`mpipar.simu
 and the text calls them predictions.
 """
 
-from mpipar.bench.common import PLOTS, environment, read_csv
+from mpipar.bench.common import PLOTS, environment, read_csv, write_atomically
 from mpipar.bench.common import csv_float as _f
 from mpipar.bench.pp import speedup_paragraph
 
@@ -340,23 +340,21 @@ def extrapolation_section(extrapolation):
 
 
 # ----------------------------------------------------------------------------- the report
-def write_report(validation, extrapolation, bench_times, headline=(), speed_lines=(), link=()):
+def write_report(validation, extrapolation, bench_times, headline=(), speed_lines=(), link=(),
+                 gpu=()):
     """plots/REPORT.md: every plot with what it shows; every number read from a CSV.
 
     ``validation`` and ``extrapolation`` are the rows the report wrote to model_validation.csv
     and extrapolation.csv; ``bench_times`` maps each benchmark to its seconds (empty when the
     plots were only redrawn); ``headline`` and ``speed_lines`` the sections of
-    :mod:`mpipar.headlines` and :mod:`mpipar.report_speed`, ``link`` that of
-    :mod:`mpipar.report_link`. Returns the path written.
+    :mod:`mpipar.headlines` and :mod:`mpipar.report_speed`, ``link`` and ``gpu`` those of
+    :mod:`mpipar.report_link` and :mod:`mpipar.report_gpu`. Returns the path written.
     """
     env = environment()
     dp = read_csv("dp.csv")
     lines = (header(env, bench_times) + list(headline) + engine_section(env)
-             + list(speed_lines) + speedup_section(dp)
-             + allreduce_section() + data_parallel_section(dp) + pipeline_section()
-             + tensor_parallel_section() + layouts_section() + checkpoint_section()
-             + memory_section() + list(link) + cost_model_section(validation)
-             + extrapolation_section(extrapolation))
-    path = PLOTS / "REPORT.md"
-    path.write_text("\n".join(lines))
-    return path
+             + list(speed_lines) + speedup_section(dp) + allreduce_section()
+             + data_parallel_section(dp) + pipeline_section() + tensor_parallel_section()
+             + layouts_section() + checkpoint_section() + memory_section() + list(link)
+             + list(gpu) + cost_model_section(validation) + extrapolation_section(extrapolation))
+    return write_atomically(PLOTS / "REPORT.md", "\n".join(lines))

@@ -3,6 +3,7 @@ and running a worker under ``mpirun`` from a plain ``python -m mpipar.bench ...`
 
 import argparse
 import csv
+import io
 import json
 import os
 import platform
@@ -48,19 +49,27 @@ def environment(ranks=1, threads=1):
     }
 
 
+def write_atomically(path, text):
+    """Write ``text`` to ``path`` whole or not at all: into a temporary file beside it, then
+    renamed over it (an interrupted run leaves the old file, never half of a new one)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, newline="")
+    os.replace(tmp, path)
+    return path
+
+
 def write_csv(name, rows, folder=PLOTS):
-    """Write rows (dicts) to folder/name (plots/ unless told), columns in first-seen order;
-    return the path."""
+    """Write rows (dicts) to folder/name (plots/ unless told), columns in first-seen order,
+    atomically; return the path."""
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / name
     fields = []
     for row in rows:
         fields += [k for k in row if k not in fields]
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        w.writerows(rows)
-    return path
+    text = io.StringIO()
+    w = csv.DictWriter(text, fieldnames=fields)
+    w.writeheader()
+    w.writerows(rows)
+    return write_atomically(folder / name, text.getvalue())
 
 
 def read_csv(name, folder=PLOTS):
