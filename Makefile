@@ -12,7 +12,7 @@ export OMP_NUM_THREADS := 1
 export OPENBLAS_NUM_THREADS := 1
 export MKL_NUM_THREADS := 1
 
-.PHONY: install demo cluster-demo test lint report figures clean
+.PHONY: install demo cluster-demo test lint report gpu-check figures clean
 
 install: $(STAMP)
 
@@ -41,6 +41,18 @@ test: lint
 
 report: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m mpipar.report
+
+# On a machine with a GPU: CuPy (the gpu extra, unless a CuPy is already importable), every
+# scheme there against serial training (the tests marked gpu), the engine against bare CuPy and
+# data parallelism on the GPU (engine_gpu.csv, dp_gpu.csv in plots/), and REPORT.md's section
+# "On a GPU" rewritten from them, the rest of the report left as it is. Without a GPU it stops
+# at the first step with the reason.
+gpu-check: $(STAMP)
+	$(BIN)/python -c "import cupy" 2>/dev/null || $(BIN)/pip install --quiet -e ".[gpu]"
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m mpipar.bench engine --backend cupy --out plots
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q -m gpu tests/test_gpu.py
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m mpipar.bench dp --backend cupy --out plots
+	$(BIN)/python -m mpipar.report_gpu
 
 # The course's pictures of the ideas, drawn from the code into lessons/figures/ (with data.json,
 # the hashes the tests compare: rerun this after changing a schedule, the ring or the grid).

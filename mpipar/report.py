@@ -32,6 +32,7 @@ from mpipar.bench.common import (  # noqa: E402 (after the thread settings above
     write_csv,
 )
 from mpipar.bench.common import csv_float as _f  # noqa: E402
+from mpipar.report_gpu import gpu_section  # noqa: E402
 from mpipar.report_link import link_section  # noqa: E402
 from mpipar.report_speed import speed_section  # noqa: E402
 from mpipar.report_text import write_report  # noqa: E402 (the text of REPORT.md, by section)
@@ -264,7 +265,8 @@ def main(argv=None):
     if (PLOTS / "hybrid.csv").exists():
         plot_memory(PLOTS / "memory.png")
     path = write_report(validation, extrapolation, bench_times,
-                        headlines.section(headline_rows), speed_section(), link_section(link_note))
+                        headlines.section(headline_rows), speed_section(), link_section(link_note),
+                        gpu_section())
     fair = [r for r in validation if not r["oversubscribed"]]
     print(f"cost model within 20%: {sum(abs(r['error']) <= 0.2 for r in fair)} of {len(fair)} "
           f"configurations with a core per rank, {sum(abs(r['error']) <= 0.2 for r in validation)}"
