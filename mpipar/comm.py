@@ -23,11 +23,13 @@ a rank waits: ``spin`` (MPI's own Wait), ``backoff``, ``yield`` or ``sleep`` (se
 :mod:`mpipar.waiting`). Any other value of either is refused.
 
 The hot path costs little (a ping-pong of 8 bytes through :class:`Comm` against bare mpi4py:
-``python -m mpipar.bench overhead``): while a call is not narrated, the one string it formats
-is the partner text the flight recorder keeps ("-> rank 3"); the counters are dict entries; the
-flight recorder is a fixed-length deque (a ring kept in C, one append a call); and when the job
-waits with ``spin`` the blocking Send, Recv and Allreduce call MPI's blocking twin directly, in
-one Python frame plus one for the record (the others post the non-blocking twin and wait).
+``python -m mpipar.bench overhead``): while a call is not narrated it formats no string (the
+flight recorder keeps a blocking Send's or Recv's partner rank and writes "-> rank 3" only when
+it reports); the bound MPI calls are looked up once per communicator; the counters are dict
+entries; the flight recorder is a fixed-length deque (a ring kept in C, one append a call); and
+when the job waits with ``spin`` the blocking Send, Recv and Allreduce call MPI's blocking twin
+directly, in one Python frame plus one for the record (the others post the non-blocking twin
+and wait).
 """
 
 from collections import defaultdict
@@ -156,6 +158,7 @@ class Comm(PickledCalls):
         self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
         self.stats = defaultdict(lambda: defaultdict(int))
         self.status = MPI.Status()  # of the direct blocking receives
+        self._send, self._recv = mpi_comm.Ssend if SSEND else mpi_comm.Send, mpi_comm.Recv
 
     # -- bookkeeping
     def _count(self, op, sent=0, recv=0, messages=0):
@@ -210,17 +213,16 @@ class Comm(PickledCalls):
         if WAIT != "spin" or type(buf) is not np.ndarray or not buf.flags.c_contiguous:
             self.Isend(buf, dest, tag, what, posted=False).wait()
             return
-        detail, t0 = TO(dest), _now()
-        FLIGHT.waiting = call = (t0, self.name, "Send", detail, what)
-        try:
-            (self.mpi.Ssend if SSEND else self.mpi.Send)(buf, dest, tag)
+        FLIGHT.waiting = call = (_now(), self.name, "Send", dest, what)  # the rank: "-> rank 3"
+        try:  # when read (failure._call)
+            self._send(buf, dest, tag)
         finally:
             FLIGHT.waiting = None
         FLIGHT.recent.append(call)  # stamped when it began (the others: when they completed)
         n = buf.nbytes  # counted after the send, off a ping-pong's critical path (Recv: before)
         self._count("Send", sent=n, messages=1)
         if TRACE.calls or EXPLAIN:
-            self._trace("Send", detail, n, t0, what)
+            self._trace("Send", TO(dest), n, call[0], what)
 
     def Isend(self, buf, dest, tag=0, what="", posted=True):
         """Post a send (a synchronous one with MPIPAR_SSEND=1); ``.wait()`` completes it.
@@ -240,17 +242,16 @@ class Comm(PickledCalls):
             return self.Irecv(buf, source, tag, what, posted=False).wait()
         n, status = buf.nbytes, self.status
         self._count("Recv", recv=n)
-        detail, t0 = FROM(source), _now()
-        FLIGHT.waiting = call = (t0, self.name, "Recv", detail, what)
+        FLIGHT.waiting = call = (_now(), self.name, "Recv", source, what)  # "<- rank 3" when read
         try:
-            self.mpi.Recv(buf, source, tag, status)
+            self._recv(buf, source, tag, status)
         finally:
             FLIGHT.waiting = None
         if status.Get_count(BYTE) != n:
             _check_count(status, buf, source)  # raises, saying what came
         FLIGHT.recent.append(call)
         if TRACE.calls or EXPLAIN:
-            self._trace("Recv", detail, n, t0, what)
+            self._trace("Recv", FROM(source), n, call[0], what)
         return status
 
     def Irecv(self, buf, source, tag=0, what="", posted=True):

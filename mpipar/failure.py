@@ -47,10 +47,11 @@ class Flight:
 
     ``recent`` holds ``(MPI.Wtime(), comm name, op, detail, what)`` per completed or posted call
     (a blocking Send or Recv: its ``waiting`` tuple, stamped when it began, one clock call
-    fewer on a ping-pong's path); ``waiting`` is ``(since, comm name, op, detail, what)`` while
-    the main thread is blocked in an MPI call (set and cleared by :func:`mpipar.comm.wait` and
-    by the calls that go straight to MPI's blocking twin), else None. ``recent`` is a deque of
-    fixed length: a ring kept in C, one append per call, so the recorder costs nothing to trim.
+    fewer on a ping-pong's path, its detail the partner's rank, which :func:`_call` writes out);
+    ``waiting`` is ``(since, comm name, op, detail, what)`` while the main thread is blocked in
+    an MPI call (set and cleared by :func:`mpipar.comm.wait` and by the calls that go straight
+    to MPI's blocking twin), else None. ``recent`` is a deque of fixed length: a ring kept in C,
+    one append per call, so the recorder costs nothing to trim.
     """
 
     def __init__(self):
@@ -193,6 +194,8 @@ def start_watchdog(seconds):
 
 
 def _call(name, op, detail, what):
+    if isinstance(detail, int):  # a blocking Send or Recv records its partner's rank alone
+        detail = f"{'->' if op == 'Send' else '<-'} rank {detail}"
     return f"{op} on {name or '?'}: {detail}" + (f"  ({what})" if what else "")
 
 

@@ -228,3 +228,13 @@ def test_bad_environment_values_are_refused(mpirun, name, value, expected):
     message = f"error: {name}='{value}': expected {expected}, or unset"
     assert proc.stderr.count(message) == 1 and proc.stderr.count("error:") == 1, proc.stderr
     assert "Traceback" not in proc.stderr and time.time() - t0 < 15
+
+
+def test_the_flight_recorder_writes_a_blocking_calls_partner_out_when_it_reports():
+    """A blocking Send or Recv records its partner's rank alone (no string formatted on a
+    ping-pong's path); the report reads as the other calls' do."""
+    from mpipar.failure import _call
+
+    assert _call("world", "Send", 3, "") == "Send on world: -> rank 3"
+    assert _call("pp", "Recv", 0, "micro-batch 2") == "Recv on pp: <- rank 0  (micro-batch 2)"
+    assert _call("world", "Bcast", "root 0 -> all", "") == "Bcast on world: root 0 -> all"
