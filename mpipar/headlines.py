@@ -56,8 +56,8 @@ def _bubble_gap(p):
     return gap
 
 
-def _pp_speedup(p, m, schedule="1f1b"):
-    return lambda folder: _value(folder, "pp.csv", "speedup_vs_serial", ranks=p, m=m,
+def _pp_speedup(p, m, schedule="1f1b", csv="pp.csv"):
+    return lambda folder: _value(folder, csv, "speedup_vs_serial", ranks=p, m=m,
                                  schedule=schedule, stage=0)
 
 
@@ -95,6 +95,9 @@ HEADLINES = [
              "pp", ("<=", 0.05), _bubble_gap(2)),
     Headline("pp2_m16", "pipeline, 2 ranks, 1F1B, m = 16: speedup over serial", "pp",
              (">=", 1.6), _pp_speedup(2, 16)),
+    *(Headline(f"pp2_m16_rows256_{name}", f"pipeline, 2 ranks, {name.upper()}, m = 16 of 256 "
+               "rows: speedup over serial", "pp_wide", (">=", 1.6),
+               _pp_speedup(2, 16, name, "pp_rows256.csv")) for name in ("1f1b", "zb-h1")),
 ]
 
 

@@ -12,7 +12,8 @@ and the text calls them predictions.
 
 from mpipar.bench.common import PLOTS, environment, read_csv, write_atomically
 from mpipar.bench.common import csv_float as _f
-from mpipar.bench.pp import speedup_paragraph
+from mpipar.bench.pp import speedup_paragraph, wide_paragraph
+from mpipar.headlines import csv_rows
 
 
 def _pct(x):
@@ -142,7 +143,7 @@ def pipeline_section():
         f"The bubble measured from the traces against (p-1)/(m+p-1): at P = 2 the largest gap "
         f"over GPipe and 1F1B is {gap(2):.3f} (target 0.05); at P = 4 (oversubscribed) "
         f"{gap(4):.3f}, since each message must wake a sleeping rank (`pp.csv`).",
-        *speedup_paragraph(pp),
+        *speedup_paragraph(pp), *wide_paragraph(csv_rows(PLOTS, "pp_rows256.csv"), pp),
         "![timelines](pp_timelines.png)",
         "",
         "Real traces of one step: naive runs one stage at a time; GPipe runs every forward, "

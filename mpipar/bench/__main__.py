@@ -1,7 +1,7 @@
-"""python -m mpipar.bench {engine,flops,net,dp,pp,tp,hybrid,ckpt,memory,overhead,link,wait}: run one
-benchmark, write its CSV and pictures into --out DIR (default: a scratch folder; --out plots
-replaces the committed results, as make report does). Flags given beside --quick win over its
-shorter defaults."""
+"""python -m mpipar.bench NAME (engine, flops, net, dp, pp, pp_wide, tp, hybrid, ckpt, memory,
+overhead, link, wait): run one benchmark, write its CSV and pictures into --out DIR (default: a
+scratch folder; --out plots replaces the committed results, as make report does). Flags given
+beside --quick win over its shorter defaults."""
 
 import argparse
 import importlib
@@ -15,6 +15,7 @@ BENCHES = {
     "net": "ping-pong latency/bandwidth (alpha, beta) and the allreduce algorithms",
     "dp": "data parallelism: step time and speedup per sync mode",
     "pp": "pipeline parallelism: bubble share, activation memory, step time",
+    "pp_wide": "the pipeline at P = 2, m = 16 with micro-batches of 256 rows: the speedup",
     "tp": "tensor parallelism: step time and communication share against hidden size",
     "hybrid": "every DP x TP x PP layout of 4 ranks",
     "flops": "the FLOP rate per rank while 1, 2 or 4 ranks compute at once",

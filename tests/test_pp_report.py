@@ -1,0 +1,29 @@
+"""The report's paragraph on the pipeline with taller micro-batches reads every figure from
+the rows it is given (pp_rows256.csv's and pp.csv's), and says whether the target is met."""
+
+from mpipar.bench.pp import wide_paragraph
+
+
+def row(schedule, speedup, rows=256, **factors):
+    base = dict(ranks="2", m="16", stage="0", schedule=schedule, rows_per_micro=str(rows),
+                speedup_vs_serial=str(speedup), bubble_measured="0.1", micro_efficiency="0.9",
+                stage_efficiency="0.85", span_share="0.99")
+    return dict(base, **{k: str(v) for k, v in factors.items()})
+
+
+def test_the_wide_paragraph_sets_each_schedule_and_both_sizes_side_by_side():
+    wide = [row("1f1b", 1.32), row("zb-h1", 1.61), row("gpipe", 1.3), row("1f1b", 9, m="4")]
+    narrow = [row("1f1b", 1.2, rows=64, micro_efficiency=0.618, stage_efficiency=1.127)]
+    (text,) = [line for line in wide_paragraph(wide, narrow) if line]
+    assert "batch 4096" in text and "`pp_rows256.csv`" in text
+    assert "speedup over serial 1F1B 1.32, ZB-H1 1.61, GPipe 1.30" in text
+    assert "(target 1.6: met by the best, ZB-H1)" in text
+    assert "at 256 rows: bubble 0.100, micro-batch efficiency 0.900, stage efficiency 0.850" in text
+    assert "at 64 rows (above): bubble 0.100, micro-batch efficiency 0.618, stage efficiency " \
+           "1.127" in text
+
+
+def test_not_met_below_the_target_and_nothing_without_the_rows():
+    text = "".join(wide_paragraph([row("1f1b", 1.32)], [row("1f1b", 1.2, rows=64)]))
+    assert "(target 1.6: not met by the best, 1F1B)" in text
+    assert wide_paragraph([], [row("1f1b", 1.2, rows=64)]) == []
