@@ -167,9 +167,9 @@ def pinned(shape, dtype_):
     """An empty host array in page-locked memory (CuPy's pinned pool: the GPU copies to and
     from it directly); plain host memory where the module has no pinned allocator."""
     alloc = getattr(getattr(xp, "cuda", None), "alloc_pinned_memory", None)
-    if alloc is None:
-        return np.empty(shape, dtype_)
     size = int(np.prod(shape, dtype=np.int64))
+    if alloc is None or size == 0:
+        return np.empty(shape, dtype_)
     memory = alloc(size * np.dtype(dtype_).itemsize)  # back to the pool when the array goes
     return np.frombuffer(memory, dtype_, size).reshape(shape)
 
@@ -207,5 +207,6 @@ def copy_back(host, dev):
     counted in STAGED."""
     if dev is not None:
         dev.set(host)
+        synchronize()  # the copy has left ``host`` before its pinned memory may be reused
         STAGED["copies"] += 1
         STAGED["to device"] += dev.nbytes
