@@ -1,7 +1,7 @@
 """The speedup report: run every benchmark, check the cost model against them, extrapolate,
 and write ``plots/REPORT.md`` with each plot and what it shows.
 
-    make report                      # or: python -m mpipar.report   (about 5 minutes on 2 cores)
+    make report                      # or: python -m mpipar.report   (about 35 minutes, 2 cores)
     python -m mpipar.report --plots-only   # redraw and rewrite from the CSVs already in plots/
 
 Every number in the report is read from a CSV that this run (or an earlier one) wrote; the cost
@@ -14,6 +14,7 @@ writes into a scratch folder.
 import argparse
 import importlib
 import os
+import shutil
 import sys
 import time
 
@@ -86,7 +87,8 @@ def launch_again(quick, launches):
     folders = [PLOTS]
     for k in range(2, launches + 1):
         folder = SCRATCH / f"launch-{k}"
-        folder.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(folder, ignore_errors=True)  # no figure from an earlier report's launch
+        folder.mkdir(parents=True)
         run_benchmarks(quick, headlines.benches(), folder, desc=f"launch {k} of {launches}")
         folders.append(folder)
     return folders

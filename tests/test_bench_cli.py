@@ -121,6 +121,21 @@ def test_make_report_runs_every_benchmark_into_plots(monkeypatch):
     assert calls == {name: ["--out", str(report.PLOTS), "--quick"] for name in report.BENCHES}
 
 
+def test_each_launch_starts_from_an_empty_folder(monkeypatch, tmp_path):
+    """A benchmark that wrote nothing in a launch must not leave the report an older launch's
+    CSV to read as this one's."""
+    stale = tmp_path / "launch-2" / "pp.csv"
+    stale.parent.mkdir()
+    stale.write_text("an earlier report's\n")
+    ran = []
+    monkeypatch.setattr(report, "SCRATCH", tmp_path)
+    monkeypatch.setattr(report, "run_benchmarks",
+                        lambda quick, names, out, desc: ran.append((out, sorted(out.iterdir()))))
+    folders = report.launch_again(quick=True, launches=2)
+    assert folders == [report.PLOTS, tmp_path / "launch-2"] and not stale.exists()
+    assert ran == [(tmp_path / "launch-2", [])]
+
+
 # ----------------------------------------------------------------------------- mpipar.grid
 @pytest.mark.parametrize("flags, says", [
     (["--tp", "0"], "error: --tp must be at least 1, got 0"),

@@ -27,3 +27,13 @@ def test_not_met_below_the_target_and_nothing_without_the_rows():
     text = "".join(wide_paragraph([row("1f1b", 1.32)], [row("1f1b", 1.2, rows=64)]))
     assert "(target 1.6: not met by the best, 1F1B)" in text
     assert wide_paragraph([], [row("1f1b", 1.2, rows=64)]) == []
+
+
+def test_rows_default_to_64_even_after_a_run_with_taller_micro_batches(monkeypatch):
+    """make report runs bench pp after bench pp_wide in one process, launch after launch:
+    pp_wide's 256 rows must not become pp's default (it did once: launches 2 and 3 of the
+    64-row benchmark ran at 256 rows and the report read an older pp.csv for them)."""
+    from mpipar.bench import pp
+
+    monkeypatch.setattr(pp, "ROWS", 256)
+    assert pp.parser().parse_args([]).rows == 64 == pp.DEFAULT_ROWS

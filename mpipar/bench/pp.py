@@ -494,20 +494,27 @@ def wide_paragraph(wide, pp):
         "efficiency below 1 is the two stages slowing each other."), ""]
 
 
-def main(argv=None):
-    global ROWS  # --rows: batch() and the worker read it; the workers get it as a flag
+def parser():
+    """bench pp's command line. ``--rows`` defaults to DEFAULT_ROWS, not to ROWS, which an
+    earlier :func:`main` in the same process (make report runs pp_wide after pp, launch after
+    launch) may have set."""
     ap = bench_parser("pp", "fewer micro-batch counts and steps")
     ap.sized("--steps", 8, 3, type=int, help="timed steps per configuration")
     ap.sized("--micro", list(MICRO), [1, 4, 16], type=int_list,
              help="micro-batch counts, comma-separated")
     ap.sized("--warmup", 2, 1, type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--rows", type=int, default=ROWS,
-                    help=f"rows per micro-batch (default {ROWS}); the micro-batch efficiency, "
-                         "and with it the speedup, grows with it (other than the default: "
-                         "pp_rows{ROWS}.csv, no pictures)")
+    ap.add_argument("--rows", type=int, default=DEFAULT_ROWS,
+                    help=f"rows per micro-batch (default {DEFAULT_ROWS}); the micro-batch "
+                         "efficiency, and with it the speedup, grows with it (other than the "
+                         "default: pp_rows<N>.csv, no pictures)")
     ap.add_argument("--ranks", type=int_list, default=list(RANKS),
                     help="pipeline lengths P, one launch each (default 2,4)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None):
+    global ROWS  # --rows: batch() and the worker read it; the workers get it as a flag
+    args = parser().parse_args(argv)
     ROWS = args.rows
     micro = args.micro
     if args.worker:
