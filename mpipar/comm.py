@@ -158,7 +158,8 @@ class Comm(PickledCalls):
         self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
         self.stats = defaultdict(lambda: defaultdict(int))
         self.status = MPI.Status()  # of the direct blocking receives
-        self._send, self._recv = mpi_comm.Ssend if SSEND else mpi_comm.Send, mpi_comm.Recv
+        self._send = getattr(mpi_comm, "Ssend" if SSEND else "Send", None)  # bound once (None:
+        self._recv = getattr(mpi_comm, "Recv", None)  # a stand-in without them, mpipar.figures)
 
     # -- bookkeeping
     def _count(self, op, sent=0, recv=0, messages=0):
