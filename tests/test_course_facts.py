@@ -156,6 +156,20 @@ def test_lesson_4_exercise_6_crossover_is_in_the_data():
 
 
 # ----------------------------------------------------------------------------- lesson 5
+def test_lesson_5_micro_batch_sizes_are_the_csvs():
+    """The speedups and micro-batch efficiencies lesson 5 quotes at 64 and 256 rows are those
+    of pp.csv and pp_rows256.csv (P = 2, m = 16)."""
+    text = flat(lesson("05"))
+    for name in ("pp.csv", "pp_rows256.csv"):
+        at = {r["schedule"]: r for r in rows(name) if (r["ranks"], r["m"], r["stage"])
+              == ("2", "16", "0")}
+        assert f"is {float(at['1f1b']['micro_efficiency']):.3f}" in text, name
+        speed = {k: f"{float(at[k]['speedup_vs_serial']):.2f}x" for k in ("1f1b", "zb-h1")}
+        assert f"1F1B runs at {speed['1f1b']}" in text or f"1F1B reaches {speed['1f1b']}" \
+            in text, name
+        assert f"ZB-H1 at {speed['zb-h1']}" in text or f"ZB-H1 {speed['zb-h1']}" in text, name
+
+
 def test_lesson_5_says_the_pipeline_gpt_has_4_blocks():
     assert cli.parse_args("pipeline", ["--timeline", "none"], n_ranks=4).n_layers == 4
     assert cli.parse_args("serial", ["--model", "gpt"], n_ranks=1).n_layers == 2
