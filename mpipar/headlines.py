@@ -22,17 +22,11 @@ import os
 import statistics
 from collections import namedtuple
 
-from mpipar.bench.common import read_csv
+from mpipar.bench.common import csv_rows
 
 # key: a name for the CSV; text: what it is; bench: the benchmark that measures it;
 # target: (comparison, bound) or None; extract(folder) -> the figure, or None if not measured
 Headline = namedtuple("Headline", "key text bench target extract")
-
-
-def csv_rows(folder, name):
-    """The rows of the CSV ``name`` in ``folder``, or none if it is not there."""
-    path = folder / name
-    return read_csv(name, folder) if path.exists() else []
 
 
 def _value(folder, name, column, **where):

@@ -26,6 +26,7 @@ from mpipar.bench.common import (  # noqa: E402 (after the thread settings above
     PLOTS,
     SCRATCH,
     cores,
+    csv_rows,
     environment,
     pyplot,
     read_csv,
@@ -240,7 +241,7 @@ def main(argv=None):
         ap.error("--launches must be at least 1")
     link_note = None  # bench link's section: why this run did not measure the link
     if args.plots_only:  # the times of the run that wrote the CSVs, if it recorded them
-        times = read_csv("bench_times.csv") if (PLOTS / "bench_times.csv").exists() else []
+        times = csv_rows(PLOTS, "bench_times.csv")
         bench_times = {r["bench"]: float(r["seconds"]) for r in times}
     else:
         bench_times = run_benchmarks(args.quick)
@@ -249,7 +250,7 @@ def main(argv=None):
         write_csv("bench_times.csv", [dict(environment(), bench=k, seconds=round(v, 1))
                                       for k, v in bench_times.items()])
         write_csv("headlines.csv", headlines.collect(launch_again(args.quick, args.launches)))
-    headline_rows = read_csv("headlines.csv") if (PLOTS / "headlines.csv").exists() else []
+    headline_rows = csv_rows(PLOTS, "headlines.csv")
     headline_rows = headlines.with_once(headline_rows, PLOTS)  # bench wait's, if newer
     write_csv("headlines.csv", headline_rows)
 

@@ -16,20 +16,16 @@ rest of the report keeps the figures of the machine that measured them.
 
 import re
 
-from mpipar.bench.common import PLOTS, read_csv, write_atomically
+from mpipar.bench.common import PLOTS, csv_rows, write_atomically
 from mpipar.bench.common import csv_float as _f
 
 TITLE = "## On a GPU"
 TARGET = 1.15  # the engine's overhead target, as on the CPU (mpipar.bench.overhead)
 
 
-def _rows(name, folder):
-    return read_csv(name, folder) if (folder / name).exists() else []
-
-
 def gpu_section(folder=PLOTS):
     """The section's lines: the measured tables, or how to measure them."""
-    engine, dp = _rows("engine_gpu.csv", folder), _rows("dp_gpu.csv", folder)
+    engine, dp = csv_rows(folder, "engine_gpu.csv"), csv_rows(folder, "dp_gpu.csv")
     lines = [TITLE, ""]
     if not engine and not dp:
         return lines + [

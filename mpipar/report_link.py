@@ -13,7 +13,7 @@
 the link (no root, no namespaces): the section then keeps the committed CSV and says so.
 """
 
-from mpipar.bench.common import PLOTS, read_csv
+from mpipar.bench.common import PLOTS, csv_rows
 from mpipar.bench.common import csv_float as _f
 from mpipar.cluster import burst_bytes, format_rate, parse_rate
 
@@ -25,7 +25,7 @@ TARGET = 0.2  # the prediction's target: within 20% of the measured step
 
 def link_rows(folder=PLOTS):
     """link.csv's rows, or [] when it has not been written."""
-    return read_csv("link.csv", folder) if (folder / "link.csv").exists() else []
+    return csv_rows(folder, "link.csv")
 
 
 def _bits(rate):

@@ -4,8 +4,7 @@ bare calls, and what sharing 2 cores among 4 ranks costs. Every number is read f
 ``wait.csv`` (:mod:`mpipar.bench.wait`); a CSV that is missing leaves its paragraph out.
 """
 
-from mpipar.bench.common import PLOTS
-from mpipar.headlines import csv_rows
+from mpipar.bench.common import PLOTS, csv_rows
 
 
 def _verdict(value, target):

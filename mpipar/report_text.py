@@ -10,10 +10,9 @@ model's numbers come in as the rows :mod:`mpipar.validate` and :mod:`mpipar.simu
 and the text calls them predictions.
 """
 
-from mpipar.bench.common import PLOTS, environment, read_csv, write_atomically
+from mpipar.bench.common import PLOTS, csv_rows, environment, read_csv, write_atomically
 from mpipar.bench.common import csv_float as _f
 from mpipar.bench.pp import speedup_paragraph, wide_paragraph
-from mpipar.headlines import csv_rows
 
 
 def _pct(x):

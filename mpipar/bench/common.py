@@ -77,6 +77,11 @@ def read_csv(name, folder=PLOTS):
         return list(csv.DictReader(f))
 
 
+def csv_rows(folder, name):
+    """The rows of the CSV ``name`` in ``folder``, or none if it is not there."""
+    return read_csv(name, folder) if (folder / name).exists() else []
+
+
 def csv_float(row, key):
     """A field of a row from :func:`read_csv` as a number."""
     return float(row[key])
