@@ -65,6 +65,17 @@ def assert_matches_serial(out, flags, saved, tmp_path, capsys):
         np.testing.assert_allclose(value, ref[name], rtol=1e-10, atol=1e-14, err_msg=name)
 
 
+def assert_params_close(got, want, what=""):
+    """The same parameter names, and each parameter within a relative error of 1e-10 (its
+    largest difference over its largest value)."""
+    import numpy as np
+
+    assert sorted(got) == sorted(want), what
+    for name in want:
+        err = np.abs(got[name] - want[name]).max() / np.abs(want[name]).max()
+        assert err <= 1e-10, (what, name, err)
+
+
 def assert_refused(n, module, flags, message, within=15):
     """``mpirun -n n python -m mpipar.<module> FLAGS`` is refused: exit code 2, ``message``
     said once (by one rank, not once per rank), no traceback, and quickly (no rank hangs)."""

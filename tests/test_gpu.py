@@ -11,9 +11,8 @@ reached them, and counts the staged copies.
 
 import re
 
-import numpy as np
 import pytest
-from conftest import run_mpi
+from conftest import assert_params_close, run_mpi
 
 from mpipar import train
 from mpipar.backend import cupy_problem
@@ -46,13 +45,6 @@ LAYOUTS = {  # name: (ranks, module, model, the scheme's flags)
 }
 
 
-def assert_close(got, want, what):
-    assert sorted(got) == sorted(want), what
-    for name in want:
-        err = np.abs(got[name] - want[name]).max() / np.abs(want[name]).max()
-        assert err <= 1e-10, (what, name, err)
-
-
 @pytest.fixture(scope="module")
 def serial(tmp_path_factory):
     """The serial trainer's parameters per model, on NumPy (in this process) and on CuPy."""
@@ -78,7 +70,7 @@ def test_every_scheme_on_the_gpu_equals_serial_training(layout, serial, tmp_path
         "CUDA-aware" in out, out
     got = train.load_params(saved)
     for backend, want in serial["mlp" if model is MLP else "gpt"].items():
-        assert_close(got, want, f"{layout} against serial on {backend}")
+        assert_params_close(got, want, f"{layout} against serial on {backend}")
 
 
 def test_the_engine_benchmark_runs_on_the_gpu(tmp_path):
