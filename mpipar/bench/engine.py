@@ -169,9 +169,8 @@ def main(argv=None):
               f"calls; fastest against fastest {fastest:.3f})")
     name = "engine_gpu" if gpu else "engine"
     path = write_csv(f"{name}.csv", table, args.out)
-    last = table[-1]
-    png = plot(last["engine_ms"] / 1e3, last[f"bare_{args.backend}_ms"] / 1e3, last["ratio"],
-               args.out / f"{name}.png", baseline, f"batch {last['batch']}, float32, {label}")
+    png = plot(engine, bare, ratio, args.out / f"{name}.png", baseline,  # the last size's
+               f"batch {rows}, float32, {label}")
     wrote(path, png)
 
 
