@@ -47,14 +47,15 @@ def cupy_problem():
     return None if count else "--backend cupy needs a GPU, and CUDA sees none"
 
 
-def local_rank():
-    """This rank's number among the ranks on its own machine (MPI's shared-memory split)."""
+def on_this_machine():
+    """(this rank's number among the ranks on its own machine, how many those are): MPI's
+    shared-memory split."""
     from mpi4py import MPI
 
     local = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
-    rank = local.Get_rank()
+    rank, size = local.Get_rank(), local.Get_size()
     local.Free()
-    return rank
+    return rank, size
 
 
 def device_for(local, count):
@@ -82,7 +83,7 @@ def select_device():
     """Under CuPy: make this rank's GPU current (:func:`device_for`) and ask MPI whether it
     is CUDA-aware (every rank calls this, from :func:`use`: the local rank is a collective)."""
     global CUDA_AWARE, DEVICE
-    local, count = local_rank(), xp.cuda.runtime.getDeviceCount()
+    local, count = on_this_machine()[0], xp.cuda.runtime.getDeviceCount()
     DEVICE = (device_for(local, count), count, local)
     xp.cuda.Device(DEVICE[0]).use()
     CUDA_AWARE = cuda_aware()

@@ -52,16 +52,9 @@ SSEND = _env("MPIPAR_SSEND", ("0", "1")) == "1"
 
 
 # ----------------------------------------------------------------------------- waiting
-def _ranks_per_core():
-    local = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
-    n_local = local.Get_size()
-    local.Free()
-    return n_local / max(B.cores(), 1)
-
-
 # waiting.DEFAULT_OVERSUBSCRIBED when ranks outnumber cores, else "spin" (MPI's own Wait)
 WAIT = _env("MPIPAR_WAIT", tuple(waiting.STRATEGIES)) or (
-    waiting.DEFAULT_OVERSUBSCRIBED if _ranks_per_core() > 1 else "spin")
+    waiting.DEFAULT_OVERSUBSCRIBED if B.on_this_machine()[1] > max(B.cores(), 1) else "spin")
 
 
 def wait(request, status=None, call=("", "MPI request", "", "")):
@@ -404,16 +397,22 @@ class Comm(PickledCalls):
                        host_out, dev)
 
     # -- small metadata: one float here, Python objects in metadata.PickledCalls
-    def sum_float(self, value, what=""):
-        """The sum over the ranks of one float (a loss to print and check): an Allreduce of 8
-        bytes through the buffer API, completed by :func:`wait` like every call. Metadata,
-        like the pickled calls: it is not counted in ``stats``, which hold the scheme's traffic."""
-        buf = np.array([float(value)])
-        call = (self.name, "Allreduce", "sum of one float", what)
-        self.say(f"{'Allreduce':<14} {call[2]:<34} {'8 B':>9}{explain.about(what)}")
-        wait(self.mpi.Iallreduce(MPI.IN_PLACE, buf), None, call)
-        FLIGHT.recent.append((_now(), *call))
-        return float(buf[0])
+    def start_sum_float(self, value, what="", op="Iallreduce"):
+        """The sum over the ranks of one float (a loss to print and check), posted now: returns
+        the function that waits for it and gives it. An 8-byte (I)Allreduce through the buffer
+        API, completed by :func:`wait` like every call; metadata, like the pickled calls: not
+        counted in ``stats``, which hold the scheme's traffic. Posted before a step's gradient
+        sync and finished after it, the 8 bytes move during that sync's waits instead of holding
+        every rank for a round of their own (4 ranks on 2 cores: a round needs all four run)."""
+        buf, call = np.array([float(value)]), (self.name, op, "sum of one float", what)
+        self.say(f"{op:<14} {call[2]:<34} {'8 B':>9}{explain.about(what)}")
+        request = self.mpi.Iallreduce(MPI.IN_PLACE, buf)
+
+        def result():
+            wait(request, None, call)
+            FLIGHT.recent.append((_now(), *call))
+            return float(buf[0])
+        return result
 
 
 def narrate(text):

@@ -30,13 +30,19 @@ tensor_parallel 3.3 against 1.5 and 1.0): each short wait overslept. Yielding fi
 spin 58.0, yield 42.5), while a wait longer than 1 ms still sleeps. On a machine loaded with
 other work (load average 16 to 20), sleeping beat spinning and yielding (dp master 17.2 ms
 sleep, 28.8 spin, 24.4 yield): there the rank waited for needs the core the spinner holds.
+
+Later, on the same kind of machine in a slower spell, a 1 ms yield was too short: backoff took
+7.3 ms a step of dp allreduce (100 steps, median of 3 rounds) against 1.9 yielding, and 1.7 ms
+of tensor_parallel against 1.4. A wait there outlasted 1 ms, slept, and the rank woke late,
+which made the next wait longer. Yielding for up to 3 ms (``YIELD_S``): dp allreduce 1.8 ms,
+tensor_parallel 1.3; the pipeline within its noise of every other setting (53 to 77 ms).
 """
 
 import os
 import time
 
 SPIN_S = 10e-6  # seconds of polling before backoff yields
-YIELD_S = 1e-3  # seconds after which backoff stops yielding and sleeps
+YIELD_S = 3e-3  # seconds after which backoff stops yielding and sleeps
 SLEEP_MIN_S, SLEEP_MAX_S = 10e-6, 200e-6  # backoff's and sleep's sleeps: first and longest
 
 
