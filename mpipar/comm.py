@@ -23,13 +23,15 @@ a rank waits: ``spin`` (MPI's own Wait), ``backoff``, ``yield`` or ``sleep`` (se
 :mod:`mpipar.waiting`). Any other value of either is refused.
 
 The hot path costs little (a ping-pong of 8 bytes through :class:`Comm` against bare mpi4py:
-``python -m mpipar.bench overhead``): while a call is not narrated it formats no string (the
-flight recorder keeps a blocking Send's or Recv's partner rank and writes "-> rank 3" only when
-it reports); the bound MPI calls are looked up once per communicator; the counters are dict
-entries; the flight recorder is a fixed-length deque (a ring kept in C, one append a call); and
-when the job waits with ``spin`` the blocking Send, Recv and Allreduce call MPI's blocking twin
-directly, in one Python frame plus one for the record (the others post the non-blocking twin
-and wait).
+``python -m mpipar.bench overhead``). When the job waits with ``spin`` the blocking Send, Recv
+and Allreduce call MPI's blocking twin directly, in one Python frame plus one for the record
+(the others post the non-blocking twin and wait); a direct Send or Recv formats no string (the
+flight recorder keeps the partner's rank and writes "-> rank 3" only when it reports), reads no
+clock, and counts itself with two additions to plain counters that ``stats`` folds in when read;
+the bound MPI calls are looked up once per communicator; the flight recorder is a fixed-length
+deque (a ring kept in C, one append a call). In a ping-pong the work a rank does between its
+Send and its next Recv is on the critical path too: when it outlasts the other rank's
+turnaround, the reply waits for it (dict updates there cost 0.15 us of a 2.5 us one-way time).
 """
 
 from collections import defaultdict
@@ -85,13 +87,6 @@ def check_array(a, shape=None, dtype=None, what="array"):
         raise ValueError(f"{what}: dtype {a.dtype}, expected {np.dtype(dtype)}")
 
 
-def _direct(buf):
-    """True when a blocking call may go straight to MPI's blocking twin: MPI's own Wait is the
-    way to wait, and ``buf`` is a C-contiguous host array (anything else takes the checked,
-    posted path, which refuses it or stages it through host memory)."""
-    return WAIT == "spin" and type(buf) is np.ndarray and buf.flags.c_contiguous
-
-
 def _check_count(status, buf, source):
     count = status.Get_count(MPI.BYTE)
     if count != buf.nbytes:
@@ -109,8 +104,7 @@ class Request:
     def __init__(self, comm, mpi_request, op, detail, nbytes, finish=None, what=""):
         self.comm, self.mpi_request, self.what = comm, mpi_request, what
         self.op, self.detail, self.nbytes, self.finish = op, detail, nbytes, finish
-        self.t0 = _now()
-        self.status = MPI.Status()
+        self.t0, self.status = _now(), MPI.Status()
         # complete: MPI has finished the transfer; done: wait() has checked, copied back, recorded
         self.complete = self.done = False
 
@@ -149,15 +143,28 @@ class Comm(PickledCalls):
     def __init__(self, mpi_comm, name="world"):
         self.mpi, self.name = mpi_comm, name
         self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
-        self.stats = defaultdict(lambda: defaultdict(int))
+        self._stats = defaultdict(lambda: defaultdict(int))
+        self._sends = self._sent = self._recvs = self._received = 0  # the fast path's, see stats
         self.status = MPI.Status()  # of the direct blocking receives
         self._send = getattr(mpi_comm, "Ssend" if SSEND else "Send", None)  # bound once (None:
         self._recv = getattr(mpi_comm, "Recv", None)  # a stand-in without them, mpipar.figures)
 
     # -- bookkeeping
-    def _count(self, op, sent=0, recv=0, messages=0):
-        s = self.stats[op]
-        s["calls"] += 1
+    @property
+    def stats(self):
+        """``stats[op][key]`` (see the class). The blocking Send and Recv that go straight to
+        MPI add to four plain counters, folded in here: the dict updates cost more than an
+        8-byte message's whole turnaround on the other rank, so they delayed the next call."""
+        if self._sends:
+            self._count("Send", sent=self._sent, messages=self._sends, calls=self._sends)
+        if self._recvs:
+            self._count("Recv", recv=self._received, calls=self._recvs)
+        self._sends = self._sent = self._recvs = self._received = 0
+        return self._stats
+
+    def _count(self, op, sent=0, recv=0, messages=0, calls=1):
+        s = self._stats[op]
+        s["calls"] += calls
         s["sent"] += int(sent)
         s["recv"] += int(recv)
         s["messages"] += messages
@@ -189,7 +196,7 @@ class Comm(PickledCalls):
             explain.posted(self, op, detail, nbytes, what)
 
     def reset_stats(self):
-        self.stats.clear()
+        self.stats.clear()  # the fast counters first folded, then cleared with the rest
 
     def total(self, key, ops=None):
         return sum(s[key] for op, s in self.stats.items() if ops is None or op in ops)
@@ -202,21 +209,28 @@ class Comm(PickledCalls):
 
     # -- point to point
     def Send(self, buf, dest, tag=0, what=""):
-        """The hot path of a ping-pong, so written out (a watched blocking call, the label
-        cached): a Python call costs about 0.1 us, an 8-byte message about 2."""
-        if WAIT != "spin" or type(buf) is not np.ndarray or not buf.flags.c_contiguous:
+        """The hot path of a ping-pong, so written out: MPI's blocking Send, bracketed by the
+        flight recorder, and two additions (the ``stats`` counters). No clock is read and no
+        string formatted (see :class:`mpipar.failure.Flight`); a traced or narrated call takes
+        the general path, which times it. A 1-D array is C-contiguous exactly when MPI takes it
+        (a strided one raises BufferError, which check_array then explains), so only an array
+        of 2 or more dimensions has its flags read (a flags object: 50 ns). A Python call
+        costs about 0.1 us, an 8-byte message about 2."""
+        if WAIT != "spin" or TRACE.calls or EXPLAIN or type(buf) is not np.ndarray \
+                or buf.ndim > 1 and not buf.flags.c_contiguous:
             self.Isend(buf, dest, tag, what, posted=False).wait()
             return
-        FLIGHT.waiting = call = (_now(), self.name, "Send", dest, what)  # the rank: "-> rank 3"
+        FLIGHT.waiting = call = (None, self.name, "Send", dest, what)  # the rank: "-> rank 3"
         try:  # when read (failure._call)
             self._send(buf, dest, tag)
+        except BufferError:
+            check_array(buf, what=f"Send to {dest}")
+            raise
         finally:
             FLIGHT.waiting = None
-        FLIGHT.recent.append(call)  # stamped when it began (the others: when they completed)
-        n = buf.nbytes  # counted after the send, off a ping-pong's critical path (Recv: before)
-        self._count("Send", sent=n, messages=1)
-        if TRACE.calls or EXPLAIN:
-            self._trace("Send", TO(dest), n, call[0], what)
+        FLIGHT.recent.append(call)
+        self._sends += 1  # counted after the send (Recv: before)
+        self._sent += buf.nbytes
 
     def Isend(self, buf, dest, tag=0, what="", posted=True):
         """Post a send (a synchronous one with MPIPAR_SSEND=1); ``.wait()`` completes it.
@@ -232,20 +246,24 @@ class Comm(PickledCalls):
 
     def Recv(self, buf, source, tag=0, what=""):
         """Receive into ``buf``; a message of any other size is an error. Written out as Send."""
-        if WAIT != "spin" or type(buf) is not np.ndarray or not buf.flags.c_contiguous:
+        if WAIT != "spin" or TRACE.calls or EXPLAIN or type(buf) is not np.ndarray \
+                or buf.ndim > 1 and not buf.flags.c_contiguous:
             return self.Irecv(buf, source, tag, what, posted=False).wait()
         n, status = buf.nbytes, self.status
-        self._count("Recv", recv=n)
-        FLIGHT.waiting = call = (_now(), self.name, "Recv", source, what)  # "<- rank 3" when read
+        self._recvs += 1
+        self._received += n
+        FLIGHT.waiting = call = (None, self.name, "Recv", source, what)  # "<- rank 3" when read
         try:
             self._recv(buf, source, tag, status)
+        except BufferError:
+            self._recvs, self._received = self._recvs - 1, self._received - n  # not received
+            check_array(buf, what=f"Recv from {source}")
+            raise
         finally:
             FLIGHT.waiting = None
         if status.Get_count(BYTE) != n:
             _check_count(status, buf, source)  # raises, saying what came
         FLIGHT.recent.append(call)
-        if TRACE.calls or EXPLAIN:
-            self._trace("Recv", FROM(source), n, call[0], what)
         return status
 
     def Irecv(self, buf, source, tag=0, what="", posted=True):
@@ -309,8 +327,10 @@ class Comm(PickledCalls):
         self._blocking(req, "Reduce", f"all -> root {root}", n, t0, what, host_out, dev)
 
     def Allreduce(self, buf, op=MPI.SUM, what=""):
-        """In place: every rank's ``buf`` becomes op over all ranks' ``buf``."""
-        if not _direct(buf):
+        """In place: every rank's ``buf`` becomes op over all ranks' ``buf``. Straight to MPI's
+        blocking twin when MPI's own Wait is the way to wait and ``buf`` is a C-contiguous host
+        array (anything else takes the checked, posted path, which refuses it or stages it)."""
+        if WAIT != "spin" or type(buf) is not np.ndarray or not buf.flags.c_contiguous:
             self.Iallreduce(buf, op, what, posted=False).wait()
             return
         self._count("Allreduce", sent=buf.nbytes, recv=buf.nbytes)
@@ -396,23 +416,6 @@ class Comm(PickledCalls):
         self._blocking(req, "Gatherv", f"all -> root {root}", sendbuf.nbytes, t0, what,
                        host_out, dev)
 
-    # -- small metadata: one float here, Python objects in metadata.PickledCalls
-    def start_sum_float(self, value, what="", op="Iallreduce"):
-        """The sum over the ranks of one float (a loss to print and check), posted now: returns
-        the function that waits for it and gives it. An 8-byte (I)Allreduce through the buffer
-        API, completed by :func:`wait` like every call; metadata, like the pickled calls: not
-        counted in ``stats``, which hold the scheme's traffic. Posted before a step's gradient
-        sync and finished after it, the 8 bytes move during that sync's waits instead of holding
-        every rank for a round of their own (4 ranks on 2 cores: a round needs all four run)."""
-        buf, call = np.array([float(value)]), (self.name, op, "sum of one float", what)
-        self.say(f"{op:<14} {call[2]:<34} {'8 B':>9}{explain.about(what)}")
-        request = self.mpi.Iallreduce(MPI.IN_PLACE, buf)
-
-        def result():
-            wait(request, None, call)
-            FLIGHT.recent.append((_now(), *call))
-            return float(buf[0])
-        return result
 
 
 def narrate(text):

@@ -45,14 +45,18 @@ RECENT = 16  # calls the flight recorder keeps
 class Flight:
     """This rank's flight recorder: its last communication calls, and the one it waits in now.
 
-    ``recent`` holds ``(MPI.Wtime(), comm name, op, detail, what)`` per completed or posted call
-    (a blocking Send or Recv: its ``waiting`` tuple, stamped when it began, one clock call
-    fewer on a ping-pong's path, its detail the partner's rank, which :func:`_call` writes out);
+    ``recent`` holds ``(MPI.Wtime(), comm name, op, detail, what)`` per completed or posted call;
     ``waiting`` is ``(since, comm name, op, detail, what)`` while the main thread is blocked in
     an MPI call (set and cleared by :func:`mpipar.comm.wait` and by the calls that go straight
-    to MPI's blocking twin), else None. ``recent`` is a deque of fixed length: a ring kept in C,
+    to MPI's blocking twin), else None. A blocking Send or Recv that goes straight to MPI reads
+    no clock (a clock call costs a twentieth of an 8-byte message, on its critical path): its
+    ``since`` and its time in ``recent`` are None, the watchdog times it from when it first
+    sees it (at most one look, half a second, late), and its detail is the partner's rank,
+    which :func:`_call` writes out. ``recent`` is a deque of fixed length: a ring kept in C,
     one append per call, so the recorder costs nothing to trim.
     """
+
+    __slots__ = ("recent", "waiting", "timeout")  # set twice per blocking call: a slot is quicker
 
     def __init__(self):
         self.recent = deque(maxlen=RECENT)
@@ -184,11 +188,15 @@ def start_watchdog(seconds):
     _started.add("watchdog")
 
     def watch():
+        seen, since = None, 0.0  # the call last seen, and since when it waits
         while True:
             time.sleep(min(0.5, FLIGHT.timeout / 4))
             waiting = FLIGHT.waiting
-            if waiting is not None and MPI.Wtime() - waiting[0] > FLIGHT.timeout:
-                _hung(waiting, FLIGHT.timeout)
+            if waiting is not seen:  # another call (each is a new tuple, and seen keeps the last)
+                seen = waiting
+                since = MPI.Wtime() if waiting is None or waiting[0] is None else waiting[0]
+            if waiting is not None and MPI.Wtime() - since > FLIGHT.timeout:
+                _hung(waiting, since, FLIGHT.timeout)
 
     threading.Thread(target=watch, name="mpipar-watchdog", daemon=True).start()
 
@@ -199,16 +207,20 @@ def _call(name, op, detail, what):
     return f"{op} on {name or '?'}: {detail}" + (f"  ({what})" if what else "")
 
 
-def _hung(waiting, seconds):
-    """Say what this rank waits for and what it did last, then abort the job."""
-    since, *call = waiting
-    now = MPI.Wtime()
-    recent = list(FLIGHT.recent)  # one C call: atomic under the GIL
-    lines = [f"watchdog: waited {now - since:.1f} s (limit {seconds:g} s) in {_call(*call)}",
+def hung_lines(waiting, since, seconds, recent, now):
+    """What the watchdog says: the call ``waiting`` (waited in since ``since``), and the
+    ``recent`` calls, each with its time before ``now`` (none for a direct Send or Recv)."""
+    lines = [f"watchdog: waited {now - since:.1f} s (limit {seconds:g} s) in {_call(*waiting[1:])}",
              "  no answer: another rank is stopped, hung, crashed or far behind; aborting the job",
              f"  its last {len(recent)} communication calls, oldest first (seconds before now):"]
-    lines += [f"  {t - now:9.3f} s  {_call(*c)}" for t, *c in recent]
+    return lines + [f"  {'' if t is None else f'{t - now:9.3f} s':>11}  {_call(*c)}"
+                    for t, *c in recent]
+
+
+def _hung(waiting, since, seconds):
+    """Say what this rank waits for and what it did last, then abort the job."""
+    recent = list(FLIGHT.recent)  # one C call: atomic under the GIL
     with _ending:
-        _write(lines)
+        _write(hung_lines(waiting, since, seconds, recent, MPI.Wtime()))
         time.sleep(ABORT_GRACE)  # as in install_excepthook: let the launcher forward the lines
         abort(HUNG)

@@ -74,6 +74,20 @@ def test_the_flight_recorder_keeps_the_last_16_calls_and_clears_the_wait():
     assert (name, op, detail, what) == ("self", "Allreduce", "all <-> all (1)", "step 19")
 
 
+def test_the_watchdog_lists_direct_sends_and_receives_without_a_time():
+    """A blocking Send or Recv that goes straight to MPI reads no clock: the watchdog's list
+    shows it in its place, its time column empty, its partner's rank written out."""
+    from mpipar.failure import hung_lines
+
+    recent = [(9.5, "world", "Bcast", "root 0 -> all", "the weights"),
+              (None, "pp", "Send", 1, "micro-batch 0"), (None, "pp", "Recv", 2, "")]
+    lines = hung_lines((None, "pp", "Recv", 1, "its gradient"), 7.0, 3, recent, now=10.25)
+    assert lines[0] == "watchdog: waited 3.2 s (limit 3 s) in Recv on pp: <- rank 1  (its gradient)"
+    assert lines[3:] == ["     -0.750 s  Bcast on world: root 0 -> all  (the weights)",
+                         "               Send on pp: -> rank 1  (micro-batch 0)",
+                         "               Recv on pp: <- rank 2"]
+
+
 def test_rank_0_lines_are_one_write_each(monkeypatch):
     """With an unbuffered stdout, ``print`` writes a line and its newline apart, and the
     launcher may put another rank's line between them (a lesson's output lost a line so)."""

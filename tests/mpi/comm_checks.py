@@ -70,6 +70,35 @@ for call in (lambda: w.Send(m.T, (r + 1) % p), lambda: w.Allreduce(m[:, ::2]),
         raise AssertionError("a non-contiguous array was sent")
 assert w.total("messages") == 1  # the refused sends were not counted
 
+# The blocking Send and Recv that go straight to MPI (MPIPAR_WAIT=spin): a strided 1-D view,
+# which they hand to MPI unchecked, and a transposed one are refused with the same words and
+# not counted; what they move is counted in stats like every call (plain counters, folded in
+# when stats is read)
+C.WAIT, strided = "spin", np.arange(8.0)[::2]
+w.reset_stats()
+for call in (lambda: w.Send(strided, (r + 1) % p), lambda: w.Recv(strided, (r - 1) % p),
+             lambda: w.Send(m.T, (r + 1) % p), lambda: w.Recv(m.T, (r - 1) % p)):
+    try:
+        call()
+    except ValueError as err:
+        assert "non-contiguous" in str(err), err
+    else:
+        raise AssertionError("a strided view went to MPI")
+for k in range(3):  # a ring: even ranks send first, odd ranks receive first
+    out, got = np.full(k + 1, float(r)), np.empty(k + 1)
+    if r % 2 == 0:
+        w.Send(out, (r + 1) % p)
+        w.Recv(got, (r - 1) % p)
+    else:
+        w.Recv(got, (r - 1) % p)
+        w.Send(out, (r + 1) % p)
+    assert np.all(got == (r - 1) % p), got
+assert dict(w.stats["Send"]) == {"calls": 3, "sent": 48, "recv": 0, "messages": 3}, w.stats
+assert dict(w.stats["Recv"]) == {"calls": 3, "sent": 0, "recv": 48, "messages": 0}, w.stats
+w.reset_stats()
+assert not w.stats and w.total("messages") == 0
+C.WAIT = "backoff"
+
 # A message of the wrong size is an error, not a silent partial receive
 if r == 0:
     w.Send(np.zeros(3), 1, tag=9)
