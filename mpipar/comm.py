@@ -54,9 +54,10 @@ SSEND = _env("MPIPAR_SSEND", ("0", "1")) == "1"
 
 
 # ----------------------------------------------------------------------------- waiting
-# waiting.DEFAULT_OVERSUBSCRIBED when ranks outnumber cores, else "spin" (MPI's own Wait)
-WAIT = _env("MPIPAR_WAIT", tuple(waiting.STRATEGIES)) or (
-    waiting.DEFAULT_OVERSUBSCRIBED if B.on_this_machine()[1] > max(B.cores(), 1) else "spin")
+# how a rank waits: MPIPAR_WAIT, else backoff when ranks outnumber cores, else "spin" (MPI's own
+# Wait); a pipeline stage sets the default for long waits (waiting.default)
+OVERSUBSCRIBED = B.on_this_machine()[1] > max(B.cores(), 1)  # more ranks here than cores
+WAIT = _env("MPIPAR_WAIT", tuple(waiting.STRATEGIES)) or waiting.default(OVERSUBSCRIBED)
 
 
 def wait(request, status=None, call=("", "MPI request", "", "")):

@@ -62,12 +62,13 @@ optimizer step that does not wait for a global check (its post-validation); over
 next step's forward with this step's optimizer; a separate loss-scale for mixed precision.
 """
 
+import os
 from collections import namedtuple
 
 import numpy as np
 
 from mpipar import backend as B
-from mpipar import comm, nn, serial
+from mpipar import comm, nn, serial, waiting
 from mpipar.plan import plan_stages, stage_bounds
 from mpipar.schedules import (
     Backward,
@@ -135,6 +136,8 @@ class Pipeline:
         v = self.n_chunks
         p, stage = self.comm.size, self.comm.rank
         self.is_first_stage, self.is_last_stage = stage == 0, stage == p - 1
+        if not os.environ.get("MPIPAR_WAIT"):  # a stage waits a micro-batch's compute: long
+            comm.WAIT = waiting.default(comm.OVERSUBSCRIBED, long_waits=True)
 
         # -- PP Step 1: split the model by layer into consecutive stages, one per rank --
         counts, self.flops = plan_stages(task, p * v, self.n_micro, args.partition)

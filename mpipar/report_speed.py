@@ -59,17 +59,15 @@ def wait_lines(folder=PLOTS):
     strategies = list(dict.fromkeys(r["strategy"] for r in cells))
     lines = ["![waiting](wait.png)", "",
              "Milliseconds per step on 4 ranks on 2 cores, per waiting strategy (`MPIPAR_WAIT`; "
-             "median over rounds; `wait.csv`, measured at load "
-             f"{float(rows[0]['loadavg_1min']):.2f}):", "",
-             "| scheme | " + " | ".join(s + (" (default)" if any(
-                 r["default"] == "True" for r in cells if r["strategy"] == s) else "")
-                 for s in strategies) + " |",
-             "|---" * (len(strategies) + 1) + "|"]
+             "median over rounds, with the range; each scheme's default in bold; `wait.csv`, "
+             f"measured at load {float(rows[0]['loadavg_1min']):.2f}):", "",
+             "| scheme | " + " | ".join(strategies) + " |", "|---" * (len(strategies) + 1) + "|"]
     for scheme in dict.fromkeys(r["scheme"] for r in cells):
         mine = {r["strategy"]: r for r in cells if r["scheme"] == scheme}
         lines.append(f"| {scheme} | " + " | ".join(
-            f"{float(mine[s]['step_ms']):.1f} ({float(mine[s]['min_ms']):.1f}-"
-            f"{float(mine[s]['max_ms']):.1f})" for s in strategies) + " |")
+            ("**{}**" if mine[s]["default"] == "True" else "{}").format(
+                f"{float(mine[s]['step_ms']):.1f} ({float(mine[s]['min_ms']):.1f}-"
+                f"{float(mine[s]['max_ms']):.1f})") for s in strategies) + " |")
     lines += ["", "Sharing the cores: " + "; ".join(
         f"{r['scheme']} {float(r['ratio']):.2f} ({float(r['ratio_min']):.2f}.."
         f"{float(r['ratio_max']):.2f}), target at most {r['target']}: "

@@ -17,8 +17,9 @@ completed. MPICH moves messages only inside MPI calls, so every strategy keeps c
   gets it back at once), then as ``sleep`` (a long wait, a pipeline bubble or a late rank,
   leaves the CPU free).
 
-Without ``MPIPAR_WAIT``, a job whose ranks on one machine outnumber its cores uses
-``DEFAULT_OVERSUBSCRIBED`` ("backoff"), any other job ``spin``.
+Without ``MPIPAR_WAIT`` (:func:`default`), a job whose ranks on one machine outnumber its
+cores uses ``DEFAULT_OVERSUBSCRIBED`` ("backoff"), or ``LONG_WAITS`` ("sleep") for a pipeline,
+whose stages wait a micro-batch's compute, milliseconds, at a time; any other job ``spin``.
 
 Measured by ``python -m mpipar.bench wait`` (``plots/wait.csv`` and the report's speed
 section hold its latest run; the figures here are from single runs of it): each scheme's
@@ -36,6 +37,11 @@ Later, on the same kind of machine in a slower spell, a 1 ms yield was too short
 of tensor_parallel against 1.4. A wait there outlasted 1 ms, slept, and the rank woke late,
 which made the next wait longer. Yielding for up to 3 ms (``YIELD_S``): dp allreduce 1.8 ms,
 tensor_parallel 1.3; the pipeline within its noise of every other setting (53 to 77 ms).
+The pipeline sleeps instead: its waits are long, and yielding through them burns the core its
+neighbour computes on. The main job (the GPT pipeline) on 4 ranks, 20 steps, two runs each:
+sleep 52.6 and 55.6 ms a step with 92 and 96 ms of CPU time over the ranks; backoff 62.0 and
+63.4 ms with 117 and 121 ms of CPU; yield 70.8 and 67.1 ms with 141 and 133. (On 2 ranks, a
+core each, spin: 45 ms.) ``bench wait`` has preferred sleep for it in every run.
 """
 
 import os
@@ -75,4 +81,12 @@ def backoff(request, status):
 
 
 STRATEGIES = {"spin": spin, "backoff": backoff, "yield": sched_yield, "sleep": sleep}
-DEFAULT_OVERSUBSCRIBED = "backoff"
+DEFAULT_OVERSUBSCRIBED, LONG_WAITS = "backoff", "sleep"
+
+
+def default(oversubscribed, long_waits=False):
+    """The strategy a job uses when ``MPIPAR_WAIT`` names none: ``oversubscribed`` when its
+    ranks outnumber the cores of their machine, ``long_waits`` for a pipeline's stages."""
+    if not oversubscribed:
+        return "spin"
+    return LONG_WAITS if long_waits else DEFAULT_OVERSUBSCRIBED

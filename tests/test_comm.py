@@ -74,6 +74,18 @@ def test_the_flight_recorder_keeps_the_last_16_calls_and_clears_the_wait():
     assert (name, op, detail, what) == ("self", "Allreduce", "all <-> all (1)", "step 19")
 
 
+@pytest.mark.parametrize("n,given,expect", [(4, None, "sleep"), (2, None, "spin"),
+                                            (4, "yield", "yield")])
+def test_a_pipeline_stage_sleeps_when_ranks_outnumber_cores(mpirun, n, given, expect):
+    """The machines these tests run on have 2 cores: 4 ranks outnumber them, 2 do not."""
+    from mpipar import backend as B
+
+    if B.cores() != 2:
+        pytest.skip(f"counts on a 2-core machine; this one has {B.cores()}")
+    out = mpirun(n, [MPI_SCRIPTS / "wait_default.py"], env={"MPIPAR_WAIT": given or ""})
+    assert f"waits: {expect} (oversubscribed: {n > 2}, MPIPAR_WAIT: {given})" in out.stdout
+
+
 def test_the_watchdog_lists_direct_sends_and_receives_without_a_time():
     """A blocking Send or Recv that goes straight to MPI reads no clock: the watchdog's list
     shows it in its place, its time column empty, its partner's rank written out."""

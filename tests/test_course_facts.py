@@ -366,6 +366,17 @@ def test_readme_claims_only_what_the_tests_prove():
     assert "1e-10" in (ROOT / "tests" / "mpi" / "hybrid_checks.py").read_text()
 
 
+def test_readme_says_how_a_rank_waits_as_waiting_does():
+    from mpipar import waiting
+
+    text = flat((ROOT / "README.md").read_text())
+    assert (f"polls for {waiting.SPIN_S * 1e6:g} us, then yields its core between polls for up "
+            f"to {waiting.YIELD_S * 1e3:g} ms, then sleeps between polls (a pipeline stage, whose "
+            "waits are long, sleeps at once)") in text
+    assert waiting.default(True) == "backoff" and waiting.default(True, long_waits=True) == \
+        "sleep" and waiting.default(False, long_waits=True) == "spin"
+
+
 # ----------------------------------------------------------------------------- solutions
 def exercises(text):
     """The numbers of a lesson's exercises (the numbered list under '## Exercises')."""
