@@ -141,8 +141,10 @@ def test_lesson_4_exercise_6_crossover_is_in_the_data():
     # 1 x 16 tokens: the crossover the exercise asks for lies inside the measured widths
     small = two["16"]
     widths = [int(r["hidden"]) for r in small]
-    for column in ("predicted_crossover_hidden", "measured_crossover_hidden"):  # the model's
-        assert min(widths) <= int(small[0][column]) < max(widths), column  # may be the first
+    # the measurement crosses inside the widths measured; the model's crossover (its search
+    # starts at h = 4) may lie below them, in a run where the Allreduces measured cheap
+    assert min(widths) <= int(small[0]["measured_crossover_hidden"]) < max(widths)
+    assert int(small[0]["predicted_crossover_hidden"]) < max(widths)
     speedup = {int(r["hidden"]): float(r["speedup"]) for r in small}
     below = max(h for h in speedup if h <= int(small[0]["measured_crossover_hidden"]))
     above = min(h for h in speedup if h > below)
