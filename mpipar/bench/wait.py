@@ -52,9 +52,9 @@ DEFAULT_LABELS = {waiting.LONG_WAITS: " (the pipeline's default)",
                   waiting.DEFAULT_OVERSUBSCRIBED: " (the others' default)"}
 
 
-def default_strategy(scheme):
-    """The strategy a scheme (a SCHEMES key or a module) waits with on 4 ranks on 2 cores."""
-    return waiting.default(True, long_waits=scheme in ("pipeline", "mpipar.pipeline"))
+def default_strategy(command):
+    """The strategy a command of SCHEMES waits with on 4 ranks on 2 cores."""
+    return waiting.default(True, long_waits=command[0] == "mpipar.pipeline")
 
 
 def worker(scheme, steps, warmup, argv):
@@ -145,7 +145,7 @@ def main(argv=None):
     load = round(os.getloadavg()[0], 2)
     times, pairs = measure(schemes, strategies, args.rounds, args.steps)
     rows = [dict(environment(ranks=4), bench="wait", scheme=s, strategy=w,
-                 default=w == default_strategy(s),
+                 default=w == default_strategy(SCHEMES[s]),
                  step_ms=round(statistics.median(t) * 1e3, 3), min_ms=round(min(t) * 1e3, 3),
                  max_ms=round(max(t) * 1e3, 3), rounds=len(t), loadavg_1min=load)
             for (s, w), t in times.items()]
@@ -158,7 +158,7 @@ def main(argv=None):
     for name, measured in pairs.items():
         ratios = [four / two for two, four in measured]
         row = dict(environment(ranks=4), bench="wait", scheme=f"{name}: 4 / 2 ranks",
-                   strategy=default_strategy(PAIRS[name][0]), default=True,
+                   strategy=default_strategy(PAIRS[name]), default=True,
                    step_ms=round(statistics.median(f for _, f in measured) * 1e3, 3),
                    ratio=round(statistics.median(ratios), 3), ratio_min=round(min(ratios), 3),
                    ratio_max=round(max(ratios), 3), target=TARGETS[name], rounds=len(ratios),
