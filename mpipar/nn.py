@@ -116,8 +116,8 @@ class SplitBackward(Module):
 
 
 def _rows(a):
-    """View a (..., n) array as (rows, n) for a matrix product."""
-    return a.reshape(-1, a.shape[-1])
+    """View a (..., n) array as (rows, n) for a matrix product (a 2-D array as it is)."""
+    return a if a.ndim == 2 else a.reshape(-1, a.shape[-1])
 
 
 # ----------------------------------------------------------------------------- layers
