@@ -23,6 +23,7 @@ import statistics
 from collections import namedtuple
 
 from mpipar.bench.common import csv_rows
+from mpipar.bench.wait import BARE
 
 # key: a name for the CSV; text: what it is; bench: the benchmark that measures it;
 # target: (comparison, bound) or None; extract(folder) -> the figure, or None if not measured
@@ -79,6 +80,8 @@ HEADLINES = [
              lambda f: _value(f, "dp.csv", "vs_2_ranks", mode="allreduce", ranks=4)),
     Headline("dp4_vs_2_small", "data parallelism (allreduce), default MLP: 4 ranks / 2 ranks",
              "wait", ("<=", 1.3), _shared_cores("dp allreduce")),
+    Headline("dp4_vs_2_bare", "the same, in bare NumPy and mpi4py (the floor): 4 ranks / 2 "
+             "ranks", "wait", None, _shared_cores(BARE)),
     Headline("main_job", "the main job (pipeline demo): 4 ranks / 2 ranks per step", "wait",
              ("<=", 1.1), _shared_cores("main job (pipeline)")),
     Headline("dp2_overlap", "data parallelism, 2 ranks, allreduce + overlap: speedup", "dp",

@@ -7,7 +7,7 @@ import csv
 import importlib
 
 import pytest
-from conftest import ROOT
+from conftest import MPI_SCRIPTS, ROOT
 
 from mpipar import report
 from mpipar.bench import __main__ as bench_cli
@@ -174,13 +174,27 @@ def test_wait_tables_every_strategy_and_the_shared_core_ratios(monkeypatch, tmp_
     assert cells["dp ring", "backoff"] == pytest.approx(13.0)
     assert cells["pipeline", "spin"] == pytest.approx(20.0)
     pairs = {r["scheme"]: float(r["ratio"]) for r in rows if r["ratio"]}
-    assert pairs == {"main job (pipeline): 4 / 2 ranks": 1.3, "dp allreduce: 4 / 2 ranks": 1.3}
+    assert pairs == {"main job (pipeline): 4 / 2 ranks": 1.3, "dp allreduce: 4 / 2 ranks": 1.3,
+                     f"{wait.BARE}: 4 / 2 ranks": 1.3}
+    assert {r["scheme"]: r["target"] for r in rows if r["ratio"]}[f"{wait.BARE}: 4 / 2 ranks"] \
+        == ""
+    assert ("mpipar.bare", None) in {(module, strategy) for _, module, _, strategy in launched}
     out = capsys.readouterr().out
+    assert f"{wait.BARE}: 4 ranks / 2 ranks per step 1.30 (1.30..1.30), the floor: no " \
+        "framework" in out
     assert "main job (pipeline): 4 ranks / 2 ranks per step 1.30" in out and "NOT met" in out
     assert "dp allreduce: 4 ranks / 2 ranks per step 1.30 (1.30..1.30), target at most 1.3: met" \
         in out
     assert {steps for *_, steps, _ in launched} == {10}  # --quick
     assert (tmp_path / "wait.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_the_bare_floor_does_the_trainers_arithmetic(mpirun, n):
+    """bench wait's floor, BareDP (bare NumPy and raw mpi4py), against the allreduce trainer:
+    the same losses and parameters after 3 steps (tests/mpi/bare_dp.py)."""
+    out = mpirun(n, [MPI_SCRIPTS / "bare_dp.py"], timeout=60)
+    assert f"bare dp equals the trainer on {n} ranks" in out.stdout
 
 
 def test_wait_refuses_a_step_count_below_one(tmp_path):

@@ -194,6 +194,15 @@ def test_lesson_6_quotes_every_scheme_s_2_rank_speedup_from_the_csv():
     assert "the only scheme here that divides the work" not in text
 
 
+def test_lesson_6_sharing_the_cores_is_the_csv():
+    from mpipar.bench.wait import BARE
+
+    pairs = {r["scheme"]: float(r["ratio"]) for r in rows("wait.csv") if r["ratio"]}
+    dp, bare = pairs["dp allreduce: 4 / 2 ranks"], pairs[f"{BARE}: 4 / 2 ranks"]
+    assert f"4 ranks took {dp:.2f}x as long as 2 with mpipar and {bare:.2f}x without it" in \
+        flat(lesson("06"))
+
+
 def test_lesson_6_cost_model_beside_megatron():
     """The lesson's command, run, gives the days the lesson states for 300e9 tokens."""
     text = flat(lesson("06"))

@@ -62,3 +62,27 @@ def test_the_benchmarks_run_once_are_read_afresh(tmp_path):
     assert rows == {"comm_8": 2.2, "main_job": 1.05, "dp4_vs_2_small": 1.4}
     verdicts = {h.key: v for h, *_, v in headlines.summary(headlines.with_once(old, tmp_path))}
     assert verdicts["main_job"] == "met" and verdicts["dp4_vs_2_small"] == "not met"
+
+
+def test_the_speed_section_sets_the_framework_beside_the_bare_floor(tmp_path):
+    """wait.csv's pairs: each against its target, and the bare loop's (no target) as the
+    floor the framework's data-parallel ratio is divided by."""
+    from mpipar import report_speed
+    from mpipar.bench.wait import BARE
+
+    cell = dict(scheme="dp ring", strategy="spin", default="True", step_ms=2.0, min_ms=1.5,
+                max_ms=2.5, loadavg_1min=0.3, ratio="", ratio_min="", ratio_max="", target="")
+    pair = dict(cell, strategy="backoff", ratio_min=2.0, ratio_max=3.2)
+    write(tmp_path, "wait.csv", [
+        cell, dict(pair, scheme="main job (pipeline): 4 / 2 ranks", ratio=1.05, target=1.1),
+        dict(pair, scheme="dp allreduce: 4 / 2 ranks", ratio=2.7, target=1.3),
+        dict(pair, scheme=f"{BARE}: 4 / 2 ranks", ratio=3.0)])
+    text = "\n".join(report_speed.wait_lines(tmp_path))
+    assert "main job (pipeline): 4 / 2 ranks 1.05 (2.00..3.20), target at most 1.1: met" in text
+    assert "dp allreduce: 4 / 2 ranks 2.70 (2.00..3.20), target at most 1.3: **not met**" in text
+    assert f"{BARE}: 4 / 2 ranks 3.00 (2.00..3.20), no target." in text
+    assert "takes 3.00x as long on 4 ranks as on 2; mpipar's step 2.70x, 0.90 times the floor's" \
+        in text
+    write(tmp_path, "wait.csv", [cell, dict(pair, scheme="dp allreduce: 4 / 2 ranks", ratio=2.7,
+                                            target=1.3)])
+    assert "floor" not in "\n".join(report_speed.wait_lines(tmp_path))  # an older wait.csv

@@ -34,11 +34,9 @@ def engine_step(model, loss_fn, opt, x, y):
     return loss
 
 
-def bare_step(Ws, bs, x, y, lr, momentum=0.0, velocity=None, xp=np):
-    """The same step with nothing but NumPy (or ``xp``, e.g. CuPy, whose arrays the
-    arguments then are): the baseline. With ``momentum``, ``velocity`` is a pair of lists like
-    (Ws, bs), initially zeros: SGD with momentum, v = momentum v + g and w -= lr v
-    (:class:`mpipar.optim.SGD`)."""
+def bare_forward(Ws, bs, x, xp=np):
+    """The MLP's forward with nothing but NumPy (or ``xp``): each layer's input (x, then the
+    ReLUs' outputs) and the softmax of the logits."""
     hs = [x]
     for W, b in zip(Ws[:-1], bs[:-1]):
         hs.append(xp.maximum(hs[-1] @ W + b, 0))
@@ -46,6 +44,15 @@ def bare_step(Ws, bs, x, y, lr, momentum=0.0, velocity=None, xp=np):
     z -= z.max(axis=1, keepdims=True)
     p = xp.exp(z)
     p /= p.sum(axis=1, keepdims=True)
+    return hs, p
+
+
+def bare_step(Ws, bs, x, y, lr, momentum=0.0, velocity=None, xp=np):
+    """The same step with nothing but NumPy (or ``xp``, e.g. CuPy, whose arrays the
+    arguments then are): the baseline. With ``momentum``, ``velocity`` is a pair of lists like
+    (Ws, bs), initially zeros: SGD with momentum, v = momentum v + g and w -= lr v
+    (:class:`mpipar.optim.SGD`)."""
+    hs, p = bare_forward(Ws, bs, x, xp)
     rows = xp.arange(len(y))
     loss = -xp.log(p[rows, y]).mean()
     dz = p
