@@ -61,7 +61,16 @@ def _overhead(case):
 
 
 def _shared_cores(name):
-    return lambda folder: _value(folder, "wait.csv", "ratio", scheme=f"{name}: 4 / 2 ranks")
+    def extract(folder, rounds=False):
+        """The 4 / 2 ratio (median over bench wait's rounds), or with ``rounds`` the ratio of
+        each round (each a launch of its own), where the CSV has them."""
+        where = dict(scheme=f"{name}: 4 / 2 ranks")
+        each = next((r["round_ratios"] for r in csv_rows(folder, "wait.csv")
+                     if r["scheme"] == where["scheme"] and r.get("round_ratios")), None)
+        if rounds and each:
+            return [float(v) for v in each.split(";")]
+        return _value(folder, "wait.csv", "ratio", **where)
+    return extract
 
 
 HEADLINES = [
@@ -126,12 +135,18 @@ def collect(folders):
 
 def with_once(rows, folder):
     """``rows`` with the figures of the benchmarks run once, on their own (``ONCE``), read
-    afresh from ``folder`` as launch 1: they may be newer than the report's launches."""
-    once = {h.key for h in HEADLINES if h.bench in ONCE}
-    kept = [r for r in rows if r["key"] not in once]
+    afresh from ``folder`` as launch 1 (they may be newer than the report's launches): one
+    value per round of the benchmark where its CSV keeps them, so that its verdict and range
+    are over its rounds as the others' are over their launches."""
+    once = [h for h in HEADLINES if h.bench in ONCE]
+    kept = [r for r in rows if r["key"] not in {h.key for h in once}]
     state = machine_state(folder)
-    return kept + [dict(key=h.key, launch=1, value=round(h.extract(folder), 4), **state)
-                   for h in HEADLINES if h.key in once and h.extract(folder) is not None]
+    for h in once:
+        values = h.extract(folder, rounds=True)
+        kept += [dict(key=h.key, launch=1, value=round(v, 4), **state)
+                 for v in ([] if values is None else
+                           values if isinstance(values, list) else [values])]
+    return kept
 
 
 def meets(value, target):
@@ -190,7 +205,8 @@ def section(rows):
         "## Headlines and targets",
         "",
         f"Each figure over {n} launch{'es' if n > 1 else ''} of its benchmark (median and "
-        "range; `headlines.csv`). A target is *met* when every launch meets it, *met by the "
+        "range; `headlines.csv`; `bench wait`'s over its rounds, each a launch of its own, "
+        "as it runs on its own). A target is *met* when every launch meets it, *met by the "
         "median* when only the median does. The machine during the launches: "
         + state_line(rows),
         "",

@@ -12,6 +12,7 @@ from conftest import MPI_SCRIPTS, ROOT
 from mpipar import report
 from mpipar.bench import __main__ as bench_cli
 from mpipar.bench import common, net
+from mpipar.bench.common import cores
 from mpipar.bench.tp import HIDDEN
 
 COMMITTED = ROOT / "plots"
@@ -162,7 +163,8 @@ def test_wait_tables_every_strategy_and_the_shared_core_ratios(monkeypatch, tmp_
 
     def step_time(n, command, steps, strategy=None):
         launched.append((n, command[0], steps, strategy))
-        return 0.010 if n == 2 else 0.013 if strategy in (None, "backoff") else 0.020
+        wall = 0.010 if n == 2 else 0.013 if strategy in (None, "backoff") else 0.020
+        return wall, 0.75 * n * wall  # CPU seconds over the ranks: 3/4 of n ranks' time
 
     monkeypatch.setattr(wait, "step_time", step_time)
     monkeypatch.setattr(waiting, "DEFAULT_OVERSUBSCRIBED", "backoff")
@@ -179,6 +181,13 @@ def test_wait_tables_every_strategy_and_the_shared_core_ratios(monkeypatch, tmp_
     assert {r["scheme"]: r["target"] for r in rows if r["ratio"]}[f"{wait.BARE}: 4 / 2 ranks"] \
         == ""
     assert ("mpipar.bare", None) in {(module, strategy) for _, module, _, strategy in launched}
+    main = next(r for r in rows if r["scheme"] == "main job (pipeline): 4 / 2 ranks")
+    assert float(main["cpu_ms"]) == pytest.approx(39.0)  # 0.75 * 4 ranks * 13 ms
+    assert float(main["busy_share"]) == pytest.approx(39.0 / (cores() * 13.0), abs=1e-3)
+    ratio, busy = wait.ideal(wait.PAIRS["main job (pipeline)"], cores())
+    assert (float(main["ideal_ratio"]), float(main["ideal_busy_share"])) == \
+        (round(ratio, 3), round(busy, 3))
+    assert not [r for r in rows if r["ratio"] and r is not main and r["ideal_ratio"]]
     out = capsys.readouterr().out
     assert f"{wait.BARE}: 4 ranks / 2 ranks per step 1.30 (1.30..1.30), the floor: no " \
         "framework" in out
@@ -187,6 +196,36 @@ def test_wait_tables_every_strategy_and_the_shared_core_ratios(monkeypatch, tmp_
         in out
     assert {steps for *_, steps, _ in launched} == {10}  # --quick
     assert (tmp_path / "wait.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_a_core_per_stage_replays_as_the_schedule_simulator_does(name):
+    """With a core per stage, the shared-cores replay is schedules.simulate (free messages);
+    with one core, the sum of every forward and backward; in between, neither bound broken."""
+    from mpipar import schedules
+    from mpipar.bench.wait import on_shared_cores
+
+    fwd, m = [2.0, 1.0, 1.5, 0.5], 5
+    bwd = [2.1 * f for f in fwd]
+    timeline = schedules.simulate(schedules.schedule(name, 4, m), fwd, bwd)
+    end = max(t1 for events in timeline for ins, _, t1 in events
+              if isinstance(ins, (schedules.Forward, schedules.Backward)))
+    work = m * (sum(fwd) + sum(bwd))
+    assert on_shared_cores(name, fwd, bwd, m, 4)[0] == pytest.approx(end)
+    assert on_shared_cores(name, fwd, bwd, m, 1) == pytest.approx((work, 1.0))
+    span, busy = on_shared_cores(name, fwd, bwd, m, 2)
+    assert max(end, work / 2) <= span < work and busy == pytest.approx(work / (2 * span))
+
+
+def test_four_equal_stages_on_two_cores_finish_before_two_stages_on_two():
+    """1F1B, 4 micro-batches, the same model cut into 2 stages (forward 2, backward 4) or 4
+    (1 and 2): on 2 cores, 2 stages take (m + p - 1)(F + B) = 30 units; 4 stages sharing them
+    finish sooner, as each fill and drain step is half as long, though never before 24 (all
+    the work, 48 units, on 2 cores)."""
+    from mpipar.bench.wait import on_shared_cores
+
+    assert on_shared_cores("1f1b", [2.0, 2.0], [4.0, 4.0], 4, 2)[0] == pytest.approx(30.0)
+    assert 24.0 <= on_shared_cores("1f1b", [1.0] * 4, [2.0] * 4, 4, 2)[0] < 30.0
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])

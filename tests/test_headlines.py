@@ -64,6 +64,18 @@ def test_the_benchmarks_run_once_are_read_afresh(tmp_path):
     assert verdicts["main_job"] == "met" and verdicts["dp4_vs_2_small"] == "not met"
 
 
+def test_bench_wait_s_rounds_are_its_launches(tmp_path):
+    """A wait.csv that keeps each round's ratio: the headline's median, range and verdict are
+    over the rounds (one round above the target: met by the median, not met)."""
+    write(tmp_path, "wait.csv", [dict(scheme="main job (pipeline): 4 / 2 ranks", ratio=1.01,
+                                      round_ratios="1.011;0.960;1.230")])
+    rows = headlines.with_once([], tmp_path)
+    assert sorted(r["value"] for r in rows if r["key"] == "main_job") == [0.96, 1.011, 1.23]
+    (h, med, lo, hi, n, verdict), = headlines.summary(rows)
+    assert (h.key, med, lo, hi, n, verdict) == ("main_job", 1.011, 0.96, 1.23, 3,
+                                                "met by the median")
+
+
 def test_the_speed_section_sets_the_framework_beside_the_bare_floor(tmp_path):
     """wait.csv's pairs: each against its target, and the bare loop's (no target) as the
     floor the framework's data-parallel ratio is divided by."""
@@ -86,3 +98,22 @@ def test_the_speed_section_sets_the_framework_beside_the_bare_floor(tmp_path):
     write(tmp_path, "wait.csv", [cell, dict(pair, scheme="dp allreduce: 4 / 2 ranks", ratio=2.7,
                                             target=1.3)])
     assert "floor" not in "\n".join(report_speed.wait_lines(tmp_path))  # an older wait.csv
+
+
+def test_the_main_job_is_set_beside_a_perfect_scheduler(tmp_path):
+    """bench wait's ideal for the main job: the measured ratio and busy share beside it, and
+    the verdict follows the data (busy cores: CPU time lost; idle cores: ranks woke late)."""
+    from mpipar import report_speed
+
+    main = dict(scheme="main job (pipeline): 4 / 2 ranks", strategy="sleep", default="True",
+                step_ms=50.0, min_ms="", max_ms="", loadavg_1min=0.3, ratio=1.08,
+                ratio_min=1.01, ratio_max=1.22, target=1.1, cpu_ms=88.49, busy_share=0.874,
+                ideal_ratio=0.925, ideal_busy_share=0.85)
+    write(tmp_path, "wait.csv", [main])
+    text = "\n".join(report_speed.wait_lines(tmp_path))
+    assert "would take 0.93 of the 2-rank step, the cores 85% busy" in text
+    assert "Measured, 1.08, with 88.5 ms of CPU time a step over the ranks: the cores 87% " \
+        "busy, as busy as the perfect scheduler keeps them" in text
+    write(tmp_path, "wait.csv", [dict(main, busy_share=0.7)])
+    text = "\n".join(report_speed.wait_lines(tmp_path))
+    assert "the cores 70% busy, less busy than the perfect scheduler keeps them" in text
