@@ -151,7 +151,8 @@ class BareDP:
 def worker(scheme, steps, warmup, argv):
     """On every rank: build ``scheme``'s trainer from its command line as the runner does (for
     "bare", data_parallel's, run as :class:`BareDP`), run ``warmup`` steps, then time ``steps``
-    steps between barriers; rank 0 emits the slowest rank's seconds per step."""
+    steps between barriers; rank 0 emits the slowest rank's seconds per step and the CPU
+    seconds per step of all the ranks together."""
     from mpi4py import MPI
 
     from mpipar import serial, train
