@@ -196,6 +196,7 @@ def test_wait_tables_every_strategy_and_the_shared_core_ratios(monkeypatch, tmp_
         in out
     assert {steps for *_, steps, _ in launched} == {10}  # --quick
     assert (tmp_path / "wait.png").stat().st_size > 0
+    assert wait.plot(rows, tmp_path / "again.png").stat().st_size > 0  # from the CSV read back
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])

@@ -244,24 +244,45 @@ def pair_row(name, measured, load):
 
 
 def plot(rows, path):
+    """wait.png from wait.csv's rows (as written, or as read back): left, each scheme's step
+    per strategy over its fastest strategy's; right, each PAIRS command's 4 / 2 ratio (median,
+    range over rounds) beside its target and, for the main job, the perfect scheduler's."""
     plt = pyplot()
-    schemes = list(dict.fromkeys(r["scheme"] for r in rows))
-    strategies = list(dict.fromkeys(r["strategy"] for r in rows))
-    fig, ax = plt.subplots(figsize=(9, 4))
+    cells = [r for r in rows if r.get("ratio") in (None, "")]
+    pairs = [r for r in rows if r.get("ratio") not in (None, "")]
+    schemes = list(dict.fromkeys(r["scheme"] for r in cells))
+    strategies = list(dict.fromkeys(r["strategy"] for r in cells))
+    fig, (ax, right) = plt.subplots(1, 2, figsize=(13, 4.5), width_ratios=(2.2, 1))
     width = 0.8 / len(strategies)
     for i, strategy in enumerate(strategies):
-        mine = [next(r for r in rows if r["scheme"] == s and r["strategy"] == strategy)
+        mine = [next(r for r in cells if r["scheme"] == s and r["strategy"] == strategy)
                 for s in schemes]
         # each scheme's time over its fastest strategy's: the strategies side by side
-        best = [min(r["step_ms"] for r in rows if r["scheme"] == s) for s in schemes]
+        best = [min(float(r["step_ms"]) for r in cells if r["scheme"] == s) for s in schemes]
         ax.bar([k + i * width for k in range(len(schemes))],
-               [r["step_ms"] / b for r, b in zip(mine, best)], width,
+               [float(r["step_ms"]) / b for r, b in zip(mine, best)], width,
                label=strategy + DEFAULT_LABELS.get(strategy, ""))
-    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(schemes))], schemes)
+    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(schemes))], schemes, fontsize=8)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_ylabel("step time / the fastest strategy's")
     ax.set_title("4 ranks on 2 cores: how each rank waits (median over rounds)")
     ax.legend(fontsize=8)
+    for k, r in enumerate(pairs):
+        ratio = float(r["ratio"])
+        right.bar(k, ratio, 0.6, color="tab:grey" if r["target"] in (None, "") else "tab:blue",
+                  yerr=[[ratio - float(r["ratio_min"])], [float(r["ratio_max"]) - ratio]],
+                  capsize=4)
+        if r["target"] not in (None, ""):
+            right.hlines(float(r["target"]), k - 0.4, k + 0.4, colors="tab:red",
+                         label="target" if k == 0 else None)
+        if r.get("ideal_ratio") not in (None, ""):
+            right.plot(k, float(r["ideal_ratio"]), "k*", ms=10, label="perfect scheduler")
+    right.set_xticks(range(len(pairs)), [r["scheme"].split(":")[0].replace(" in ", "\nin ")
+                                         for r in pairs], fontsize=8)
+    right.axhline(1.0, color="k", lw=0.8)
+    right.set_ylabel("4 ranks / 2 ranks, per step")
+    right.set_title("sharing 2 cores (grey: no framework)")
+    right.legend(fontsize=8)
     return save_figure(fig, path)
 
 
@@ -299,7 +320,7 @@ def main(argv=None):
         print(f"{name}: 4 ranks / 2 ranks per step {rows[-1]['ratio']:.2f} "
               f"({rows[-1]['ratio_min']:.2f}..{rows[-1]['ratio_max']:.2f}), {verdict}")
     path = write_csv("wait.csv", rows, args.out)
-    wrote(path, plot(rows[:-len(PAIRS)], args.out / "wait.png"))
+    wrote(path, plot(rows, args.out / "wait.png"))
 
 
 if __name__ == "__main__":
