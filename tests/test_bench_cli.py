@@ -227,6 +227,8 @@ def test_four_equal_stages_on_two_cores_finish_before_two_stages_on_two():
 
     assert on_shared_cores("1f1b", [2.0, 2.0], [4.0, 4.0], 4, 2)[0] == pytest.approx(30.0)
     assert 24.0 <= on_shared_cores("1f1b", [1.0] * 4, [2.0] * 4, 4, 2)[0] < 30.0
+    with pytest.raises(ValueError, match="not zb-h1"):  # its W instructions are not replayed
+        on_shared_cores("zb-h1", [1.0] * 4, [2.0] * 4, 4, 2)
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])

@@ -66,12 +66,14 @@ DEFAULT_LABELS = {waiting.LONG_WAITS: " (the pipeline's default)",
                   waiting.DEFAULT_OVERSUBSCRIBED: " (the others' default)"}
 
 
-def on_shared_cores(name, forward, backward, n_micro, cores):
-    """Makespan of schedule ``name`` replayed with ``cores`` cores shared by its stages, by a
+def on_shared_cores(name, forward, backward, n_micro, n_cores):
+    """Makespan of schedule ``name`` replayed with ``n_cores`` cores shared by its stages, by a
     perfect scheduler: switching costs nothing, a rank runs the moment a core is free and its
     input is there (the rank that has waited longest first), messages are free. ``forward``
     and ``backward``: each stage's time for one micro-batch (chunks and split backwards not
-    modelled: for 1F1B and GPipe). Returns (makespan, busy share of the cores)."""
+    modelled: naive, GPipe and 1F1B only). Returns (makespan, busy share of the cores)."""
+    if name not in ("naive", "gpipe", "1f1b"):
+        raise ValueError(f"on_shared_cores replays naive, gpipe and 1f1b, not {name}")
     n = len(forward)
     ops = [[(type(i) is schedules.Forward, i.micro) for i in ins
             if isinstance(i, (schedules.Forward, schedules.Backward))]
@@ -86,13 +88,13 @@ def on_shared_cores(name, forward, backward, n_micro, cores):
             needs = (s - 1, True, k) if fwd else (s + 1, False, k)  # the input from a neighbour
             if (fwd and s == 0) or (not fwd and s == n - 1) or finished.get(needs, now + 1) <= now:
                 ready.append((max(free_at[s], finished.get(needs, 0.0)), s))
-        for _, s in sorted(ready)[:cores - len(running)]:
+        for _, s in sorted(ready)[:n_cores - len(running)]:
             running[s] = now + (forward if ops[s][nxt[s]][0] else backward)[s]
         s = min(running, key=running.get)
         now = free_at[s] = running.pop(s)
         finished[(s, *ops[s][nxt[s]])] = now
         nxt[s] += 1
-    return now, n_micro * (sum(forward) + sum(backward)) / (cores * now)
+    return now, n_micro * (sum(forward) + sum(backward)) / (n_cores * now)
 
 
 def default_strategy(command):
