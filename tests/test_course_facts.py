@@ -433,3 +433,23 @@ def test_benchmarks_in_lessons_never_write_the_committed_plots():
                     writes = r"(--out|--timeline|--save-params|--checkpoint)[ =](\./)?plots\b"
                     assert not re.search(writes + r"|>\s*(\./)?plots/", line), \
                         f"{path.name}: {line}"
+
+
+def test_lesson_6_exercise_5_is_the_replay():
+    """The ratios and busy shares of the worked solution are ideal()'s; the limit is the stages'
+    FLOPs as plan_stages cuts the default GPT."""
+    from mpipar import plan, serial
+    from mpipar.bench.wait import ideal
+    from mpipar.cli import parse_args
+
+    text = (LESSONS / "solutions" / "06-performance.md").read_text()
+    values = [ideal(["mpipar.pipeline", "--micro-batches", str(m)]) for m in (1, 2, 4, 16, 32)]
+    assert "    ratio  " + "  ".join(f"{r:.3f}" for r, _ in values) in text
+    assert "    busy   " + "  ".join(f"{b:.3f}" for _, b in values) in text
+    args = parse_args("pipeline", ["--quiet"], 2)
+    counts, flops = plan.plan_stages(serial.Task(args), 2, args.micro_batches)
+    fwd = [sum(flops[lo:hi]) / 1e6 for lo, hi in plan.stage_bounds(counts)]
+    assert f"forwards of {fwd[0]:.2f} and {fwd[1]:.2f} MFLOP" in text and fwd[1] > fwd[0]
+    assert f"{sum(fwd):.2f} / 2\n= {sum(fwd) / 2:.2f} MFLOP" in text
+    assert f"tends to {sum(fwd) / 2:.2f} / {fwd[1]:.2f} = {sum(fwd) / 2 / fwd[1]:.3f}" in text
+    assert values[0][0] == 1.0 and min(r for r, _ in values) == values[1][0]
