@@ -88,13 +88,14 @@ def test_the_speed_section_sets_the_framework_beside_the_bare_floor(tmp_path):
     write(tmp_path, "wait.csv", [
         cell, dict(pair, scheme="main job (pipeline): 4 / 2 ranks", ratio=1.05, target=1.1),
         dict(pair, scheme="dp allreduce: 4 / 2 ranks", ratio=2.7, target=1.3),
-        dict(pair, scheme=f"{BARE}: 4 / 2 ranks", ratio=3.0)])
+        dict(pair, scheme=f"{BARE}: 4 / 2 ranks", ratio=3.0, step_ms=1.6)])
     text = "\n".join(report_speed.wait_lines(tmp_path))
     assert "main job (pipeline): 4 / 2 ranks 1.05 (2.00..3.20), target at most 1.1: met" in text
     assert "dp allreduce: 4 / 2 ranks 2.70 (2.00..3.20), target at most 1.3: **not met**" in text
     assert f"{BARE}: 4 / 2 ranks 3.00 (2.00..3.20), no target." in text
     assert "takes 3.00x as long on 4 ranks as on 2; mpipar's step 2.70x, 0.90 times the floor's" \
         in text
+    assert "on 4 ranks 2.00 ms against the bare loop's 1.60 ms (1.25x;" in text
     write(tmp_path, "wait.csv", [cell, dict(pair, scheme="dp allreduce: 4 / 2 ranks", ratio=2.7,
                                             target=1.3)])
     assert "floor" not in "\n".join(report_speed.wait_lines(tmp_path))  # an older wait.csv
