@@ -62,14 +62,16 @@ def _overhead(case):
 
 def _shared_cores(name):
     def extract(folder, rounds=False):
-        """The 4 / 2 ratio (median over bench wait's rounds), or with ``rounds`` the ratio of
-        each round (each a launch of its own), where the CSV has them."""
-        where = dict(scheme=f"{name}: 4 / 2 ranks")
-        each = next((r["round_ratios"] for r in csv_rows(folder, "wait.csv")
-                     if r["scheme"] == where["scheme"] and r.get("round_ratios")), None)
-        if rounds and each:
-            return [float(v) for v in each.split(";")]
-        return _value(folder, "wait.csv", "ratio", **where)
+        """The 4 / 2 ratio (median over bench wait's rounds), or with ``rounds`` a list: the
+        ratio of each round (each a launch of its own) where the CSV keeps them, else [the
+        median]. None if not measured."""
+        row = next((r for r in csv_rows(folder, "wait.csv")
+                    if r["scheme"] == f"{name}: 4 / 2 ranks" and r.get("ratio")), None)
+        if row is None:
+            return None
+        if not rounds:
+            return float(row["ratio"])
+        return [float(v) for v in (row.get("round_ratios") or row["ratio"]).split(";")]
     return extract
 
 
@@ -142,10 +144,8 @@ def with_once(rows, folder):
     kept = [r for r in rows if r["key"] not in {h.key for h in once}]
     state = machine_state(folder)
     for h in once:
-        values = h.extract(folder, rounds=True)
         kept += [dict(key=h.key, launch=1, value=round(v, 4), **state)
-                 for v in ([] if values is None else
-                           values if isinstance(values, list) else [values])]
+                 for v in h.extract(folder, rounds=True) or []]
     return kept
 
 
