@@ -207,8 +207,9 @@ def section(rows):
         f"Each figure over {n} launch{'es' if n > 1 else ''} of its benchmark (median and "
         "range; `headlines.csv`; `bench wait`'s over its rounds, each a launch of its own, "
         "as it runs on its own). A target is *met* when every launch meets it, *met by the "
-        "median* when only the median does. The machine during the launches: "
-        + state_line(rows),
+        "median* when only the median does. The sections below read the CSVs committed "
+        "beside the plots, launch 1's: a figure there is one launch's, anywhere in its "
+        "headline's range. The machine during the launches: " + state_line(rows),
         "",
         *table(rows),
         "",

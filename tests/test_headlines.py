@@ -35,6 +35,15 @@ def test_median_range_and_verdicts(tmp_path):
     assert "| engine / bare NumPy, the 784-128-...-10 MLP at 128 rows | 1.120 | 1.100 .. 1.200 " \
            "| 3 | <= 1.15 | met by the median |" in text
     assert "launch 2: load 2.00, bare-NumPy step 1.300 ms" in text
+    assert "The sections below read the CSVs committed beside the plots, launch 1's" in text
+
+
+def test_launch_1_is_the_committed_plots():
+    """What the section says: make report's first launch writes plots/, the CSVs the other
+    sections read; launches 2.. go to scratch folders."""
+    from mpipar import report
+
+    assert report.launch_again(quick=True, launches=1) == [report.PLOTS]
 
 
 def test_verdict():
