@@ -79,11 +79,17 @@ def wait_lines(folder=PLOTS):
 
 
 def main_job_lines(pairs):
-    """The main job's 4 / 2 ratio beside a perfect scheduler's (bench wait's ideal_ratio)."""
+    """The main job's 4 / 2 ratio beside a perfect scheduler's (bench wait's ideal_ratio), and
+    where the CPU time goes: its 2 ranks' when they sleep as they wait too, and the context
+    switches of each (wait.csv's cpu2_ms and switch counts, where the run measured them)."""
     row = next((r for r in pairs if r.get("ideal_ratio")), None)
     if row is None:
         return []
     busy, ideal_busy = float(row["busy_share"]), float(row["ideal_busy_share"])
+    cpu, cpu2 = float(row["cpu_ms"]), row.get("cpu2_ms")
+    work = ("" if cpu2 in (None, "") else
+            f" (on 2 ranks that also sleep as they wait, {float(cpu2):.1f} ms: 4 ranks spend "
+            f"{cpu / float(cpu2):.2f}x the CPU time on the same step)")
     verdict = ("as busy as the perfect scheduler keeps them, or busier: what 4 ranks lose is "
                "not idle cores but CPU time that 2 ranks do not spend (waits that poll and "
                "sleep, three stage boundaries' messages instead of one, switches between "
@@ -91,13 +97,20 @@ def main_job_lines(pairs):
                if busy >= ideal_busy - 0.05 else
                "less busy than the perfect scheduler keeps them: ranks whose input had arrived "
                "were still asleep or waiting for a core")
+    switches = ("" if row.get("voluntary") in (None, "") else
+                f" Context switches a step over the ranks: {float(row['voluntary']):.0f} "
+                f"voluntary (a wait that sleeps) and {float(row['involuntary']):.0f} involuntary "
+                f"(a rank preempted, as a waking rank takes the core) on 4 ranks, against "
+                f"{float(row['voluntary2']):.0f} and {float(row['involuntary2']):.0f} on 2 "
+                "ranks that sleep as they wait: each wake-up on a shared core interrupts the "
+                "rank computing there.")
     return [f"The main job on 4 ranks sharing 2 cores, replayed by a perfect scheduler "
             f"(switching free, a rank running the moment its input is there and a core is "
             f"free, the stages timed by their FLOPs; `mpipar/bench/wait.py > on_shared_cores`), "
             f"would take {float(row['ideal_ratio']):.2f} of the 2-rank step, the cores "
             f"{ideal_busy:.0%} busy: 4 shorter stages fill and drain the pipeline sooner. "
-            f"Measured, {float(row['ratio']):.2f}, with {float(row['cpu_ms']):.1f} ms of CPU "
-            f"time a step over the ranks: the cores {busy:.0%} busy, {verdict}.", ""]
+            f"Measured, {float(row['ratio']):.2f}, with {cpu:.1f} ms of CPU time a step over "
+            f"the ranks{work}: the cores {busy:.0%} busy, {verdict}.{switches}", ""]
 
 
 def floor_lines(pairs):

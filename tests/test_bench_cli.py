@@ -164,7 +164,9 @@ def test_wait_tables_every_strategy_and_the_shared_core_ratios(monkeypatch, tmp_
     def step_time(n, command, steps, strategy=None):
         launched.append((n, command[0], steps, strategy))
         wall = 0.010 if n == 2 else 0.013 if strategy in (None, "backoff") else 0.020
-        return wall, 0.75 * n * wall  # CPU seconds over the ranks: 3/4 of n ranks' time
+        # CPU seconds over the ranks: 3/4 of n ranks' time; 2 ranks that sleep use 2/4
+        cpu = (0.5 if n == 2 and strategy == "sleep" else 0.75) * n * wall
+        return wait.Timing(wall, cpu, 10.0 * n + (strategy == "sleep"), 5.0 * n)
 
     monkeypatch.setattr(wait, "step_time", step_time)
     monkeypatch.setattr(waiting, "DEFAULT_OVERSUBSCRIBED", "backoff")
@@ -184,6 +186,10 @@ def test_wait_tables_every_strategy_and_the_shared_core_ratios(monkeypatch, tmp_
     main = next(r for r in rows if r["scheme"] == "main job (pipeline): 4 / 2 ranks")
     assert float(main["cpu_ms"]) == pytest.approx(39.0)  # 0.75 * 4 ranks * 13 ms
     assert float(main["busy_share"]) == pytest.approx(39.0 / (cores() * 13.0), abs=1e-3)
+    assert float(main["cpu2_ms"]) == pytest.approx(10.0)  # 2 ranks that sleep: 0.5 * 2 * 10 ms
+    assert [float(main[k]) for k in ("voluntary", "involuntary", "voluntary2", "involuntary2")] \
+        == [40.0, 20.0, 21.0, 10.0]
+    assert ("mpipar.pipeline", "sleep") in {(m, s) for n, m, _, s in launched if n == 2}
     ratio, busy = wait.ideal(wait.PAIRS["main job (pipeline)"], cores())
     assert (float(main["ideal_ratio"]), float(main["ideal_busy_share"])) == \
         (round(ratio, 3), round(busy, 3))

@@ -207,6 +207,13 @@ def test_lesson_6_sharing_the_cores_is_the_csv():
             f"busy") in text
     assert f"against the replay's {float(main['ideal_busy_share']):.0%}" in text
     assert float(main["busy_share"]) >= float(main["ideal_busy_share"]) - 0.05  # "not idle"
+    cpu, cpu2 = float(main["cpu_ms"]), float(main["cpu2_ms"])
+    assert (f"spent {cpu / cpu2:.2f}x the CPU time of 2 ranks that also sleep as they wait "
+            f"({cpu:.1f} ms a step against {cpu2:.1f})") in text
+    assert (f"({float(main['voluntary']):.0f} voluntary context switches a step against "
+            f"{float(main['voluntary2']):.0f})") in text
+    assert (f"({float(main['involuntary']):.0f} involuntary switches against "
+            f"{float(main['involuntary2']):.0f})") in text
 
 
 def test_lesson_6_cost_model_beside_megatron():

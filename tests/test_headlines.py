@@ -127,3 +127,12 @@ def test_the_main_job_is_set_beside_a_perfect_scheduler(tmp_path):
     write(tmp_path, "wait.csv", [dict(main, busy_share=0.7)])
     text = "\n".join(report_speed.wait_lines(tmp_path))
     assert "the cores 70% busy, less busy than the perfect scheduler keeps them" in text
+    assert "Context switches" not in text  # a wait.csv from before they were counted
+    write(tmp_path, "wait.csv", [dict(main, cpu2_ms=75.0, voluntary=301.4, involuntary=98.6,
+                                      voluntary2=90.2, involuntary2=1.4)])
+    text = "\n".join(report_speed.wait_lines(tmp_path))
+    assert "88.5 ms of CPU time a step over the ranks (on 2 ranks that also sleep as they " \
+        "wait, 75.0 ms: 4 ranks spend 1.18x the CPU time on the same step): the cores 87%" in text
+    assert "Context switches a step over the ranks: 301 voluntary (a wait that sleeps) and 99 " \
+        "involuntary (a rank preempted, as a waking rank takes the core) on 4 ranks, against " \
+        "90 and 1 on 2" in text

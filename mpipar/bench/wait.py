@@ -21,13 +21,18 @@ sharing the cores costs this machine itself, the floor under the framework's rat
 main job, the same schedule replayed on the shared cores by a perfect scheduler
 (:func:`on_shared_cores`, the stages timed by their FLOPs) gives the ratio sharing would cost
 if switching ranks were free, and the ranks' CPU time over the cores' wall time (its stages
-sleep while they wait, so CPU time is work) says how busy the cores really were.
+sleep while they wait, so CPU time is work) says how busy the cores really were. The same
+command on 2 ranks that also sleep as they wait gives the CPU time its work takes with a core
+per rank; the context switches a step on 4 and on 2 (voluntary: a wait that sleeps;
+involuntary: a rank preempted) count what sharing adds.
 """
 
 import argparse
 import os
+import resource
 import statistics
 import time
+from collections import namedtuple
 
 import numpy as np
 
@@ -61,6 +66,10 @@ PAIRS = {"main job (pipeline)": SCHEMES["pipeline"], "dp allreduce": SCHEMES["dp
          BARE: ["mpipar.bare", *SCHEMES["dp allreduce"][1:]]}
 TARGETS = {"main job (pipeline)": 1.1, "dp allreduce": 1.3}
 
+
+# one launch of a command: seconds a step (the slowest rank's), CPU seconds and context switches
+# (voluntary: a wait that sleeps or yields; involuntary: a rank preempted) a step over the ranks
+Timing = namedtuple("Timing", "step cpu voluntary involuntary")
 
 DEFAULT_LABELS = {waiting.LONG_WAITS: " (the pipeline's default)",
                   waiting.DEFAULT_OVERSUBSCRIBED: " (the others' default)"}
@@ -153,8 +162,8 @@ class BareDP:
 def worker(scheme, steps, warmup, argv):
     """On every rank: build ``scheme``'s trainer from its command line as the runner does (for
     "bare", data_parallel's, run as :class:`BareDP`), run ``warmup`` steps, then time ``steps``
-    steps between barriers; rank 0 emits the slowest rank's seconds per step and the CPU
-    seconds per step of all the ranks together."""
+    steps between barriers; rank 0 emits the slowest rank's seconds per step, and the CPU
+    seconds and the context switches per step of all the ranks together."""
     from mpi4py import MPI
 
     from mpipar import serial, train
@@ -173,29 +182,35 @@ def worker(scheme, steps, warmup, argv):
     world = MPI.COMM_WORLD
     world.Barrier()
     t0, cpu0 = time.perf_counter(), time.process_time()
+    use0 = resource.getrusage(resource.RUSAGE_SELF)
     for step in range(warmup, warmup + steps):
         trainer.step(step)
-    elapsed = world.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+    use, elapsed = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - t0
+    elapsed = world.allreduce(elapsed, op=MPI.MAX)
     cpu = world.allreduce(time.process_time() - cpu0, op=MPI.SUM)  # over the ranks
+    switches = world.allreduce(np.array([use.ru_nvcsw - use0.ru_nvcsw,
+                                         use.ru_nivcsw - use0.ru_nivcsw]), op=MPI.SUM)
     if world.rank == 0:
-        emit({"seconds_per_step": elapsed / steps, "cpu_seconds_per_step": cpu / steps})
+        emit({"seconds_per_step": elapsed / steps, "cpu_seconds_per_step": cpu / steps,
+              "switches_per_step": [int(n) / steps for n in switches]})
 
 
 def step_time(n, command, steps, strategy=None):
-    """(Seconds per step, CPU seconds per step over the ranks) of ``command`` on ``n`` ranks
-    with ``MPIPAR_WAIT=strategy`` (None: the default), timed inside the job: the launch itself
-    does not count."""
+    """The :data:`Timing` of ``command`` on ``n`` ranks with ``MPIPAR_WAIT=strategy`` (None:
+    the default), timed inside the job: the launch itself does not count."""
     module, *flags = command
     (res,) = run_ranks(n, "mpipar.bench.wait", ["--worker", module.split(".")[-1], "--steps",
                                                 steps, "--", *flags],
                        env={"MPIPAR_WAIT": strategy})
-    return res["seconds_per_step"], res["cpu_seconds_per_step"]
+    return Timing(res["seconds_per_step"], res["cpu_seconds_per_step"],
+                  *res["switches_per_step"])
 
 
 def measure(schemes, strategies, rounds, steps):
     """{(scheme, strategy): [seconds per step, one per round]}, and for each command of
-    ``PAIRS`` [(2-rank step_time, 4-rank step_time), one per round] with the default
-    strategy."""
+    ``PAIRS`` [(2-rank step_time, 4-rank step_time, asleep), one per round] with the default
+    strategy; for the pipeline, whose 4 ranks sleep as they wait, ``asleep`` is its 2-rank
+    step_time when those 2 sleep too (their CPU time is then their work), else None."""
     times = {(s, w): [] for s in schemes for w in strategies}
     pairs = {name: [] for name in PAIRS}
     for _ in range(rounds):
@@ -203,7 +218,10 @@ def measure(schemes, strategies, rounds, steps):
             for strategy in strategies:
                 times[scheme, strategy].append(step_time(4, SCHEMES[scheme], steps, strategy)[0])
         for name, command in PAIRS.items():
-            pairs[name].append((step_time(2, command, steps), step_time(4, command, steps)))
+            asleep = (step_time(2, command, steps, default_strategy(command))
+                      if command[0] == "mpipar.pipeline" else None)
+            pairs[name].append((step_time(2, command, steps), step_time(4, command, steps),
+                                asleep))
     return times, pairs
 
 
@@ -226,21 +244,30 @@ def ideal(command, n_cores=2):
 
 def pair_row(name, measured, load):
     """wait.csv's row of a PAIRS command from its rounds' (2-rank, 4-rank) step_time pairs:
-    the 4 / 2 ratio (median, range, each round's); for the pipeline also its CPU time, the
-    cores' busy share and the perfect scheduler's (:func:`ideal`)."""
-    ratios = [four[0] / two[0] for two, four in measured]
+    the 4 / 2 ratio (median, range, each round's); for the pipeline also its CPU time and
+    context switches a step on 4 ranks and on 2 that sleep as they wait too, the cores' busy
+    share and the perfect scheduler's (:func:`ideal`)."""
+    def median(values):
+        return round(statistics.median(values), 3)
+
+    ratios = [four.step / two.step for two, four, _ in measured]
     row = dict(environment(ranks=4), bench="wait", scheme=f"{name}: 4 / 2 ranks",
                strategy=default_strategy(PAIRS[name]), default=True,
-               step_ms=round(statistics.median(f[0] for _, f in measured) * 1e3, 3),
+               step_ms=median(four.step * 1e3 for _, four, _ in measured),
                ratio=round(statistics.median(ratios), 3), ratio_min=round(min(ratios), 3),
                ratio_max=round(max(ratios), 3), target=TARGETS.get(name, ""),
                rounds=len(ratios), round_ratios=";".join(f"{r:.3f}" for r in ratios),
                loadavg_1min=load)
     if PAIRS[name][0] == "mpipar.pipeline":  # its stages sleep as they wait: CPU time is work
-        busy = [four[1] / (cores() * four[0]) for _, four in measured]
+        busy = [four.cpu / (cores() * four.step) for _, four, _ in measured]
         ideal_ratio, ideal_busy = ideal(PAIRS[name], cores())
-        row.update(cpu_ms=round(statistics.median(f[1] for _, f in measured) * 1e3, 3),
-                   busy_share=round(statistics.median(busy), 3),
+        row.update(cpu_ms=median(four.cpu * 1e3 for _, four, _ in measured),
+                   cpu2_ms=median(two.cpu * 1e3 for *_, two in measured),
+                   voluntary=median(four.voluntary for _, four, _ in measured),
+                   involuntary=median(four.involuntary for _, four, _ in measured),
+                   voluntary2=median(two.voluntary for *_, two in measured),
+                   involuntary2=median(two.involuntary for *_, two in measured),
+                   busy_share=median(busy),
                    ideal_ratio=round(ideal_ratio, 3), ideal_busy_share=round(ideal_busy, 3))
     return row
 
