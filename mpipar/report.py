@@ -44,7 +44,7 @@ from mpipar.validate import (  # noqa: E402
     validation_rows,
 )
 
-# bench wait (about 5 minutes) is run on its own; its section reads the CSV it left in plots/.
+# bench wait (about 4 minutes) is run on its own; its section reads the CSV it left in plots/.
 # bench link (about 5 minutes) runs after these when this machine can emulate hosts (root,
 # network namespaces: run_link); otherwise its section keeps the committed link.csv
 BENCHES = ["engine", "overhead", "flops", "net", "dp", "tp", "pp", "pp_wide", "hybrid", "ckpt",

@@ -317,7 +317,8 @@ def plot(rows, path):
 
 def main(argv=None):
     ap = bench_parser("wait", "two schemes, two rounds, fewer steps", worker=False)
-    ap.sized("--rounds", 3, 2, type=int, help="rounds over every scheme and strategy")
+    ap.sized("--rounds", 5, 2, type=int, help="rounds over every scheme and strategy, each "
+             "a launch of every command (a 4 / 2 ratio varies from launch to launch)")
     ap.sized("--steps", 20, 10, type=int, help="timed steps per launch, after 3 warm-up steps")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("flags", nargs="*", help=argparse.SUPPRESS)
