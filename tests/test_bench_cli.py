@@ -166,6 +166,8 @@ def test_wait_tables_every_strategy_and_the_shared_core_ratios(monkeypatch, tmp_
         wall = 0.010 if n == 2 else 0.013 if strategy in (None, "backoff") else 0.020
         # CPU seconds over the ranks: 3/4 of n ranks' time; 2 ranks that sleep use 2/4
         cpu = (0.5 if n == 2 and strategy == "sleep" else 0.75) * n * wall
+        if command[0] == "mpipar.alone":  # each rank a whole copy: 4 ranks 1.1x the CPU a rank
+            cpu = (0.8 if n == 2 else 0.88) * n * wall
         return wait.Timing(wall, cpu, 10.0 * n + (strategy == "sleep"), 5.0 * n)
 
     monkeypatch.setattr(wait, "step_time", step_time)
@@ -190,6 +192,8 @@ def test_wait_tables_every_strategy_and_the_shared_core_ratios(monkeypatch, tmp_
     assert [float(main[k]) for k in ("voluntary", "involuntary", "voluntary2", "involuntary2")] \
         == [40.0, 20.0, 21.0, 10.0]
     assert ("mpipar.pipeline", "sleep") in {(m, s) for n, m, _, s in launched if n == 2}
+    assert float(main["alone_cpu_ratio"]) == pytest.approx(0.88 * 13 / (0.8 * 10))
+    assert {n for n, m, *_ in launched if m == "mpipar.alone"} == {2, 4}
     ratio, busy = wait.ideal(wait.PAIRS["main job (pipeline)"], cores())
     assert (float(main["ideal_ratio"]), float(main["ideal_busy_share"])) == \
         (round(ratio, 3), round(busy, 3))
@@ -243,6 +247,17 @@ def test_the_bare_floor_does_the_trainers_arithmetic(mpirun, n):
     the same losses and parameters after 3 steps (tests/mpi/bare_dp.py)."""
     out = mpirun(n, [MPI_SCRIPTS / "bare_dp.py"], timeout=60)
     assert f"bare dp equals the trainer on {n} ranks" in out.stdout
+
+
+def test_alone_trains_a_whole_copy_on_each_rank_without_waiting():
+    """bench wait's ALONE, launched for real on 2 ranks: each rank runs the serial trainer on
+    the main job's model, so the ranks compute all the time (CPU time near 2 ranks' wall time)
+    and never wait (no voluntary context switch: nothing sleeps)."""
+    from mpipar.bench.wait import ALONE, step_time
+
+    t = step_time(2, ALONE, "3")
+    assert t.step > 0 and t.cpu > 0.5 * 2 * t.step, t
+    assert t.voluntary < 1, t
 
 
 def test_wait_refuses_a_step_count_below_one(tmp_path):

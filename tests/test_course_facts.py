@@ -214,6 +214,8 @@ def test_lesson_6_sharing_the_cores_is_the_csv():
             f"{float(main['voluntary2']):.0f})") in text
     assert (f"({float(main['involuntary']):.0f} involuntary switches against "
             f"{float(main['involuntary2']):.0f})") in text
+    assert (f"4 ranks on 2 cores spend {float(main['alone_cpu_ratio']):.2f}x the CPU time a step "
+            "and rank of 2") in text
 
 
 def test_lesson_6_cost_model_beside_megatron():

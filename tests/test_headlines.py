@@ -108,6 +108,11 @@ def test_the_speed_section_sets_the_framework_beside_the_bare_floor(tmp_path):
     write(tmp_path, "wait.csv", [cell, dict(pair, scheme="dp allreduce: 4 / 2 ranks", ratio=2.7,
                                             target=1.3)])
     assert "floor" not in "\n".join(report_speed.wait_lines(tmp_path))  # an older wait.csv
+    main = dict(pair, scheme="main job (pipeline): 4 / 2 ranks", ratio=1.08, target=1.1)
+    for rounds, verdict in [("1.07;1.08;1.09", "met"), ("1.07;1.08;1.25", "met by the median"),
+                            ("1.07;1.12;1.25", "**not met**")]:  # as the headlines judge them
+        write(tmp_path, "wait.csv", [dict(cell, round_ratios=""), dict(main, round_ratios=rounds)])
+        assert f"target at most 1.1: {verdict}." in "\n".join(report_speed.wait_lines(tmp_path))
 
 
 def test_the_main_job_is_set_beside_a_perfect_scheduler(tmp_path):
@@ -136,3 +141,9 @@ def test_the_main_job_is_set_beside_a_perfect_scheduler(tmp_path):
     assert "Context switches a step over the ranks: 301 voluntary (a wait that sleeps) and 99 " \
         "involuntary (a rank preempted, as a waking rank takes the core) on 4 ranks, against " \
         "90 and 1 on 2" in text
+    assert "ALONE" not in text  # not measured in this wait.csv
+    write(tmp_path, "wait.csv", [dict(main, cpu2_ms=75.0, voluntary=301.4, involuntary=98.6,
+                                      voluntary2=90.2, involuntary2=1.4, alone_cpu_ratio=1.1)])
+    text = "\n".join(report_speed.wait_lines(tmp_path))
+    assert "4 ranks on 2 cores spend 1.10x the CPU time a step and rank of 2: that much of the " \
+        "difference is what sharing a core costs the work itself, with no wait in it." in text
