@@ -135,6 +135,17 @@ def collect(folders):
     return rows
 
 
+def with_launch_1(rows, folder):
+    """``rows`` with launch 1's figures read afresh from ``folder`` (plots/, launch 1 by
+    definition), so that a benchmark run again on its own into plots/ (``bench pp --out
+    plots``) moves its headlines with the CSV the report's sections read; the other launches'
+    figures stay. (The benchmarks run once keep theirs: :func:`with_once` reads them.)"""
+    once = {h.key for h in HEADLINES if h.bench in ONCE}
+    fresh = {r["key"]: r for r in collect([folder]) if r["key"] not in once}
+    kept = [fresh.pop(r["key"], r) if int(r["launch"]) == 1 else r for r in rows]
+    return kept + list(fresh.values())  # in place; a figure new to launch 1 at the end
+
+
 def with_once(rows, folder):
     """``rows`` with the figures of the benchmarks run once, on their own (``ONCE``), read
     afresh from ``folder`` as launch 1 (they may be newer than the report's launches): one

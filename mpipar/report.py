@@ -251,6 +251,7 @@ def main(argv=None):
                                       for k, v in bench_times.items()])
         write_csv("headlines.csv", headlines.collect(launch_again(args.quick, args.launches)))
     headline_rows = csv_rows(PLOTS, "headlines.csv")
+    headline_rows = headlines.with_launch_1(headline_rows, PLOTS)  # a benchmark run again
     headline_rows = headlines.with_once(headline_rows, PLOTS)  # bench wait's, if newer
     write_csv("headlines.csv", headline_rows)
 

@@ -38,6 +38,20 @@ def test_median_range_and_verdicts(tmp_path):
     assert "The sections below read the CSVs committed beside the plots, launch 1's" in text
 
 
+def test_a_benchmark_run_again_into_plots_moves_launch_1_only(tmp_path):
+    """report --plots-only after `bench dp --out plots`: launch 1's figure is the new dp.csv's,
+    launches 2 and 3 keep theirs."""
+    folders = [launch(tmp_path / "1", 1.10, 1.85, 0.5), launch(tmp_path / "2", 1.12, 1.79, 2.0),
+               launch(tmp_path / "3", 1.20, 1.81, 1.0)]
+    rows = headlines.collect(folders)
+    launch(tmp_path / "1", 1.10, 1.50, 0.5)  # dp run again into launch 1's folder
+    again = headlines.with_launch_1(rows, tmp_path / "1")
+    overlap = {int(r["launch"]): r["value"] for r in again if r["key"] == "dp2_overlap"}
+    assert overlap == {1: 1.5, 2: 1.79, 3: 1.81}
+    assert len(again) == len(rows)
+    assert headlines.with_launch_1(again, tmp_path / "1") == again  # nothing new: unchanged
+
+
 def test_launch_1_is_the_committed_plots():
     """What the section says: make report's first launch writes plots/, the CSVs the other
     sections read; launches 2.. go to scratch folders."""

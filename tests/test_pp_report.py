@@ -37,3 +37,32 @@ def test_rows_default_to_64_even_after_a_run_with_taller_micro_batches(monkeypat
 
     monkeypatch.setattr(pp, "ROWS", 256)
     assert pp.parser().parse_args([]).rows == 64 == pp.DEFAULT_ROWS
+
+
+def test_the_blas_reference_adds_the_micro_batches_dw_into_the_whole_batch_s():
+    """SerialReference.products: over the micro-batches, each dW added into the gradient, the
+    same dW as the whole batch's one product (float64: equal to rounding); every round times
+    the serial and accumulated steps and both ways of the products."""
+    import numpy as np
+
+    from mpipar.bench.pp import SerialReference
+
+    ref = SerialReference(1, [2])
+    ref.products_whole(2)
+    whole = ref.dW.copy()
+    ref.products_micro(2)
+    assert np.abs(whole).max() > 0
+    np.testing.assert_allclose(ref.dW, whole, rtol=1e-12, atol=1e-12 * np.abs(whole).max())
+    ref.time_round(keep=True)
+    assert set(ref.medians(2)) == {"serial", "accumulated", "products_whole", "products_micro"}
+
+
+def test_the_speedup_paragraph_says_what_the_blas_library_alone_keeps():
+    from mpipar.bench.pp import speedup_paragraph
+
+    r = row("1f1b", 1.09, rows=64, micro_efficiency=0.644, stage_efficiency=1.01)
+    text = "".join(speedup_paragraph([dict(r, blas_efficiency="0.700")]))
+    assert "Of that efficiency the BLAS library alone sets 0.700: one Linear's forward, dx and " \
+        "dW in bare NumPy, on the whole batch against over its 16 micro-batches of 64 rows" in text
+    assert "what the framework's layers keep of the rest is 0.920." in text
+    assert "BLAS" not in "".join(speedup_paragraph([r]))  # a pp.csv from before it was timed

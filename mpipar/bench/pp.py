@@ -87,10 +87,16 @@ class SerialReference:
     accumulated over m micro-batches of ROWS rows (a forward and a backward per micro-batch,
     the gradients summed with +=, one update): what P = 1 with m micro-batches would compute.
     Their ratio is the micro-batch efficiency: the share of the serial speed that matrix
-    products of ROWS rows keep (each micro-batch also adds its dW to the whole gradient)."""
+    products of ROWS rows keep (each micro-batch also adds its dW to the whole gradient).
+
+    Beside them, in the same rounds, one Linear(WIDTH, WIDTH)'s three products in bare NumPy
+    (forward x W, dx = dy W^T, dW = x^T dy), on the whole batch and over its m micro-batches
+    with each dW added into the gradient as a stage adds it: their ratio, the BLAS efficiency,
+    is the part of the micro-batch efficiency that the BLAS library sets, with no framework."""
 
     def __init__(self, n_stages, micro_counts):
-        from mpipar import nn, optim
+        from mpipar import backend as B
+        from mpipar import data, nn, optim
         from mpipar import pipeline as PP
 
         self.model = build_model(n_stages).init(0)
@@ -99,7 +105,10 @@ class SerialReference:
         self.batches = {m: batch(m) for m in micro_counts}
         self.micro = {m: (PP.micro_batches(x, m), PP.micro_batches(y, m))
                       for m, (x, y) in self.batches.items()}
-        self.samples = {m: dict(serial=[], accumulated=[]) for m in micro_counts}
+        self.samples = {m: dict(serial=[], accumulated=[], products_whole=[],
+                                products_micro=[]) for m in micro_counts}
+        self.W = B.asarray(data.synthetic(2, (WIDTH, WIDTH)) / math.sqrt(WIDTH), dtype=B.dtype)
+        self.dW = B.xp.zeros_like(self.W)
 
     def serial(self, m):
         from mpipar import serial
@@ -115,12 +124,31 @@ class SerialReference:
             self.model.backward(self.loss_fn.backward(1.0, k), k)
         self.opt.step()
 
+    def products(self, xs):
+        """One Linear's forward, dx and dW on each array of ``xs``, each dW added into one
+        gradient (the output stands in for dy: the same shape, the same products)."""
+        from mpipar import backend as B
+
+        for k, x in enumerate(xs):
+            y = x @ self.W
+            y @ self.W.T
+            if k == 0:
+                B.xp.matmul(x.T, y, out=self.dW)
+            else:
+                self.dW += x.T @ y
+
+    def products_whole(self, m):
+        self.products([self.batches[m][0]])
+
+    def products_micro(self, m):
+        self.products(self.micro[m][0])
+
     def time_round(self, keep):
-        """Each m once, both ways, alternating: a slow spell hits both alike."""
+        """Each m once, every way, alternating: a slow spell hits them alike."""
         from mpi4py import MPI
 
         for m, got in self.samples.items():
-            for way in ("serial", "accumulated"):
+            for way in got:
                 t0 = MPI.Wtime()
                 getattr(self, way)(m)
                 if keep:
@@ -382,7 +410,8 @@ def print_decomposition(by):
         print(f"target: at P=2 m=16 1f1b a speedup of at least 1.6: {r['speedup_vs_serial']:.2f}, "
               f"{'met' if r['speedup_vs_serial'] >= 1.6 else 'NOT met'}; the bubble and "
               f"micro-batches of {ROWS} rows leave P x (1 - bubble) x micro-batch efficiency = "
-              f"{ceiling:.2f}")
+              f"{ceiling:.2f}; bare NumPy's products alone keep {r['blas_efficiency']:.3f} of "
+              "the whole batch's speed in micro-batches (the BLAS efficiency)")
 
 
 def zero_bubble_paragraph(pp):
@@ -452,11 +481,27 @@ def speedup_paragraph(pp):
         f"accumulated over 16 micro-batches of {rows} rows, timed in the same rounds: products "
         "of few rows run slower per row, and each micro-batch adds its dW into the whole "
         f"gradient. With the bubble it leaves 2 x (1 - bubble) x efficiency = "
-        f"{2 * (1 - bubble) * eff:.2f}, whatever the pipeline does. The stage efficiency (a "
+        f"{2 * (1 - bubble) * eff:.2f}, whatever the pipeline does. {blas_sentence(r, rows)}"
+        "The stage efficiency (a "
         "stage's compute, from the trace, against half the accumulated step: below 1 when the "
         "two ranks slow each other through the shared memory and caches) and the span share "
         "(the optimizer step and the messages outside the first forward to the last backward) "
         "take the rest (`pp.csv`)."), "", *zero_bubble_paragraph(pp)]
+
+
+def blas_sentence(r, rows):
+    """What the BLAS library alone keeps of the micro-batch efficiency (pp.csv's
+    blas_efficiency, where the run measured it; else nothing)."""
+    from mpipar.bench.common import csv_float as f
+
+    if not r.get("blas_efficiency"):
+        return ""
+    blas, eff = f(r, "blas_efficiency"), f(r, "micro_efficiency")
+    return (f"Of that efficiency the BLAS library alone sets {blas:.3f}: one Linear's forward, dx "
+            f"and dW in bare NumPy, on the whole batch against over its 16 micro-batches of "
+            f"{rows} rows (each dW added into the gradient), timed in the same rounds "
+            f"(`SerialReference.products`); what the framework's layers keep of the rest is "
+            f"{eff / blas:.3f}. ")
 
 
 def wide_paragraph(wide, pp):
@@ -543,6 +588,7 @@ def main(argv=None):
                 serial_step_ms=round(res["serial"] * 1e3, 3),
                 speedup_vs_serial=round(res["serial"] / res["step_s"], 3),
                 accumulated_step_ms=round(res["accumulated"] * 1e3, 3),
+                blas_efficiency=round(res["products_whole"] / res["products_micro"], 4),
                 stage_compute_ms=round(res["busy_s"][stage] * 1e3, 3),
                 **dict(zip(("forward_ms", "backward_ms", "weight_ms"),
                            (round(t * 1e3, 3) for t in res["parts_s"][stage]))),
