@@ -535,8 +535,11 @@ def wide_paragraph(wide, pp):
         f"at {rows} rows: bubble {f(r, 'bubble_measured'):.3f}, {factors(r)}, span share "
         f"{f(r, 'span_share'):.3f}; at {small} rows (above): bubble "
         f"{f(narrow, 'bubble_measured'):.3f}, {factors(narrow)}. Taller micro-batches buy "
-        "back most of what products of few rows lose (the micro-batch efficiency); a stage "
-        "efficiency below 1 is the two stages slowing each other."), ""]
+        "back most of what products of few rows lose (the micro-batch efficiency). A stage "
+        "efficiency below 1 is the two stages slowing each other; above 1, as "
+        + ("both are here" if min(f(r, "stage_efficiency"), f(narrow, "stage_efficiency")) > 1
+           else "it can be") + ", each stage computed its half of the model in less than half "
+        "the time one process took over the whole."), ""]
 
 
 def parser():
