@@ -21,7 +21,7 @@ def test_the_wide_paragraph_sets_each_schedule_and_both_sizes_side_by_side():
     assert "at 256 rows: bubble 0.100, micro-batch efficiency 0.900, stage efficiency 0.850" in text
     assert "at 64 rows (above): bubble 0.100, micro-batch efficiency 0.618, stage efficiency " \
            "1.127" in text
-    assert "above 1, as it can be, each stage ran its half" in text  # 0.85 at 256 rows
+    assert "above 1, as it can be, each stage computed its half" in text  # 0.85 at 256 rows
     (text,) = [line for line in wide_paragraph([row("1f1b", 1.32, stage_efficiency=1.07)],
                                                narrow) if line]
     assert "above 1, as both are here, each stage computed its half of the model in less " \
