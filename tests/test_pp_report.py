@@ -24,6 +24,14 @@ def test_the_wide_paragraph_sets_each_schedule_and_both_sizes_side_by_side():
     assert "above 1, as it can be, each stage computed its half" in text  # 0.85 at 256 rows
     (text,) = [line for line in wide_paragraph([row("1f1b", 1.32, stage_efficiency=1.07)],
                                                narrow) if line]
+    assert "BLAS" not in text  # rows from before it was timed
+    narrow = [dict(narrow[0], blas_efficiency="0.671")]
+    (text,) = [line for line in wide_paragraph([row("1f1b", 1.5, blas_efficiency=0.907)],
+                                               narrow) if line]
+    assert "micro-batch efficiency 0.900 (BLAS alone 0.907), stage efficiency 0.850" in text
+    assert "micro-batch efficiency 0.618 (BLAS alone 0.671), stage efficiency 1.127" in text
+    (text,) = [line for line in wide_paragraph([row("1f1b", 1.32, stage_efficiency=1.07)],
+                                               narrow) if line]
     assert "above 1, as both are here, each stage computed its half of the model in less " \
         "than half the time one process took over the whole." in text
 

@@ -524,7 +524,8 @@ def wide_paragraph(wide, pp):
     rows, small = r["rows_per_micro"], narrow["rows_per_micro"]
 
     def factors(x):
-        return (f"micro-batch efficiency {f(x, 'micro_efficiency'):.3f}, stage efficiency "
+        blas = f" (BLAS alone {f(x, 'blas_efficiency'):.3f})" if x.get("blas_efficiency") else ""
+        return (f"micro-batch efficiency {f(x, 'micro_efficiency'):.3f}{blas}, stage efficiency "
                 f"{f(x, 'stage_efficiency'):.3f}")
 
     return ["", (
