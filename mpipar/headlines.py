@@ -60,6 +60,12 @@ def _overhead(case):
     return lambda folder: _value(folder, "overhead.csv", "ratio", case=case)
 
 
+def round_ratios(row):
+    """A wait.csv pair's 4 / 2 ratio of each round (each a launch of its own), or [its median]
+    for a CSV from before the rounds were kept."""
+    return [float(v) for v in (row.get("round_ratios") or row["ratio"]).split(";")]
+
+
 def _shared_cores(name):
     def extract(folder, rounds=False):
         """The 4 / 2 ratio (median over bench wait's rounds), or with ``rounds`` a list: the
@@ -71,7 +77,7 @@ def _shared_cores(name):
             return None
         if not rounds:
             return float(row["ratio"])
-        return [float(v) for v in (row.get("round_ratios") or row["ratio"]).split(";")]
+        return round_ratios(row)
     return extract
 
 

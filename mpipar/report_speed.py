@@ -16,8 +16,7 @@ def _verdict(value, target):
 def _rounds_verdict(row):
     """A wait.csv pair judged as the headlines judge it: met in every round, by the median
     only, or not met (an older CSV without its rounds: by its median)."""
-    rounds = [float(v) for v in (row.get("round_ratios") or "").split(";") if v]
-    verdict = headlines.verdict(rounds or [float(row["ratio"])], ("<=", float(row["target"])))
+    verdict = headlines.verdict(headlines.round_ratios(row), ("<=", float(row["target"])))
     return "**not met**" if verdict == "not met" else verdict
 
 
