@@ -27,10 +27,10 @@ demo: $(STAMP)
 
 # Two emulated hosts (network namespaces, so it needs root) joined by a 1 Gbit/s link: the
 # ping-pong within a host and across the link, then data parallelism with 2 ranks per host.
-# mpipar.cluster removes the hosts again, also when the run fails or is interrupted.
+# mpipar.tools.cluster removes the hosts again, also when the run fails or is interrupted.
 cluster-demo: $(STAMP)
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m mpipar.cluster --hosts 2 --bandwidth 1gbit \
-	    sh -c "mpirun -n 4 python -m mpipar.bench.link --pingpong && \
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m mpipar.tools.cluster --hosts 2 --bandwidth 1gbit \
+	    sh -c "mpirun -n 4 python -m mpipar.tools.bench.link --pingpong && \
 	           mpirun -n 4 python -m mpipar.data_parallel --sync allreduce --quiet"
 
 lint: $(STAMP)
@@ -40,7 +40,7 @@ test: lint
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q tests
 
 report: $(STAMP)
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m mpipar.report
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m mpipar.tools.report
 
 # On a machine with a GPU: CuPy (the gpu extra, unless a CuPy is already importable), every
 # scheme there against serial training (the tests marked gpu), the engine against bare CuPy and
@@ -49,15 +49,15 @@ report: $(STAMP)
 # at the first step with the reason.
 gpu-check: $(STAMP)
 	$(BIN)/python -c "import cupy" 2>/dev/null || $(BIN)/pip install --quiet -e ".[gpu]"
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m mpipar.bench engine --backend cupy --out plots
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m mpipar.tools.bench engine --backend cupy --out plots
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q -m gpu tests/test_gpu.py
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m mpipar.bench dp --backend cupy --out plots
-	$(BIN)/python -m mpipar.report_gpu
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m mpipar.tools.bench dp --backend cupy --out plots
+	$(BIN)/python -m mpipar.tools.report_gpu
 
 # The course's pictures of the ideas, drawn from the code into lessons/figures/ (with data.json,
 # the hashes the tests compare: rerun this after changing a schedule, the ring or the grid).
 figures: $(STAMP)
-	$(BIN)/python -m mpipar.figures
+	$(BIN)/python -m mpipar.tools.figures
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -1,14 +1,18 @@
 """mpipar: data, tensor and pipeline parallel training, written step by step in explicit MPI.
 
-Modules, in reading order:
-    backend   the array module (NumPy, or CuPy on a GPU) and the default dtype
-    nn        Parameter, Module and layers with hand-written forward/backward
-    optim     SGD and Adam/AdamW
-    data      digits, a text corpus and synthetic data, batched from the seed
-    comm      the only place arrays meet MPI: checked, counted and traced
-    grid      the DP x TP x PP process grid
-    serial    the reference trainer every scheme must reproduce
-    data_parallel, tensor_parallel, pipeline, hybrid   the schemes
+The schemes stand at the front door, in reading order:
+    serial            the reference trainer every scheme must reproduce (no MPI)
+    data_parallel     replicas and their gradient sums; zero: ZeRO-2 and ZeRO-3
+    tensor_parallel   Megatron's column- and row-parallel layers
+    pipeline          stages run by one schedule interpreter
+    hybrid            data x tensor x pipeline on one process grid
+    train             the runner every scheme hands over to
+The rooms, arrows pointing one way (tools -> schemes -> runner -> parts -> mpi -> engine):
+    engine/   backend, parameters, nn, optim, data: one process, no MPI
+    mpi/      comm (the only place arrays meet MPI) and what surrounds a call
+    parts/    schedules, the stage plan, tensor- and sequence-parallel layers
+    runner/   flags, checkpoints, clipping, recomputation, the memory ledger
+    tools/    benchmarks, the report, the cost model, figures, cluster, student track
 """
 
 __version__ = "0.1.0"

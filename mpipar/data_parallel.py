@@ -40,7 +40,7 @@ giving the same parameters as the serial trainer:
   makes: partners, bytes, time, and the bucket or ring phase it belongs to.
 
 Communication per rank per step, n = |theta| bytes (alpha-beta(-gamma) costs, Thakur et al. 2005;
-:func:`mpipar.bench.net.predict` computes them):
+:func:`mpipar.tools.bench.net.predict` computes them):
 
     master     worker: sends n (Reduce), receives n (Bcast) and its rows (Scatterv);
                root: receives (P-1) n and sends (P-1) n  -- the root is the bottleneck.
@@ -67,10 +67,12 @@ asynchronous (stale) updates.
 
 import math
 
-from mpipar import backend as B
-from mpipar import comm, nn, serial
-from mpipar.comm import flatten, unflatten
-from mpipar.trace import TRACE
+from mpipar import serial
+from mpipar.engine import backend as B
+from mpipar.engine import nn
+from mpipar.mpi import comm
+from mpipar.mpi.comm import flatten, unflatten
+from mpipar.mpi.trace import TRACE
 
 
 # ----------------------------------------------------------------------------- communication

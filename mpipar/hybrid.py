@@ -7,7 +7,7 @@
     mpirun -n 8 python -m mpipar.hybrid --dp 2 --tp 2 --pp 2 --zero 1 --optim adam
     mpirun -n 4 python -m mpipar.hybrid --dp 2 --pp 2 --zero 2 --bucket-mb 0.01 --overlap
 
-N = D * T * P ranks form a grid (:class:`mpipar.grid.Grid`): the T ranks of a tensor-parallel
+N = D * T * P ranks form a grid (:class:`mpipar.mpi.grid.Grid`): the T ranks of a tensor-parallel
 group hold slices of the same layers, the P stages of a pipeline hold consecutive layers, and
 the D data-parallel replicas each hold the whole model (as T x P pieces) and train on different
 rows of the batch. Tensor-parallel ranks vary fastest, then stages, then replicas::
@@ -61,7 +61,7 @@ rank's parameters, about |theta| w / (T P)):
   Reduce_scatter Psi + Allgather Psi = 2 Psi, as counted by Comm.stats, of which 2(D-1)/D * Psi
   crosses the wire, no more than the Allreduce. ZeRO-1 makes one call of each, ZeRO-2 one per
   bucket; with --overlap a bucket's reduce-scatter is D-1 Isend and D-1 Irecv of one block.
-- ``--sequence-parallel`` (:mod:`mpipar.sequence_parallel`): each tp Allreduce of r*s*h*w
+- ``--sequence-parallel`` (:mod:`mpipar.parts.sequence_parallel`): each tp Allreduce of r*s*h*w
   becomes a reduce-scatter and an allgather of it (the same volume), plus one Allreduce per
   step of the stage's LayerNorm (and position) gradients over tp_comm, after Step 5's sum
   (before it with --zero, while the gradients are whole; so --zero 2 takes no --overlap); a
@@ -82,16 +82,19 @@ micro-batch of a step, so they live through the whole schedule, and a step's pea
 as it would without ZeRO.
 """
 
-from mpipar import backend as B
-from mpipar import comm, nn, plan, serial, tp_models
 from mpipar import data_parallel as DP
 from mpipar import pipeline as PP
-from mpipar import sequence_parallel as SP
+from mpipar import serial
 from mpipar import tensor_parallel as TP
 from mpipar import zero as Z
-from mpipar.grid import Grid
-from mpipar.schedules import SCHEDULES, Backward
-from mpipar.trace import TRACE
+from mpipar.engine import backend as B
+from mpipar.engine import nn
+from mpipar.mpi import comm
+from mpipar.mpi.grid import Grid
+from mpipar.mpi.trace import TRACE
+from mpipar.parts import plan, tp_models
+from mpipar.parts import sequence_parallel as SP
+from mpipar.parts.schedules import SCHEDULES, Backward
 
 
 # ----------------------------------------------------------------------------- comm helpers

@@ -22,7 +22,7 @@ The seed's steps, each under a ``PP Step N`` banner below:
    is distributed; they are gathered to rank 0 only to evaluate or save the model.
 
 Micro-batches (GPipe): the batch is cut into m micro-batches so that stages work at the same
-time; a schedule from :mod:`mpipar.schedules` (naive, gpipe, 1f1b, interleaved, zb-h1) is a
+time; a schedule from :mod:`mpipar.parts.schedules` (naive, gpipe, 1f1b, interleaved, zb-h1) is a
 list of instructions per stage, and :func:`run_pipeline` executes it. Interleaved 1F1B
 (``--chunks v``) cuts the model into p*v consecutive pieces instead; rank r holds pieces r,
 r+p, r+2p, ... as v chunks, each its own stage module, and every message is tagged with the
@@ -67,10 +67,13 @@ from collections import namedtuple
 
 import numpy as np
 
-from mpipar import backend as B
-from mpipar import comm, nn, serial, waiting
-from mpipar.plan import plan_stages, stage_bounds
-from mpipar.schedules import (
+from mpipar import serial
+from mpipar.engine import backend as B
+from mpipar.engine import nn
+from mpipar.mpi import comm, waiting
+from mpipar.mpi.trace import TRACE
+from mpipar.parts.plan import plan_stages, stage_bounds
+from mpipar.parts.schedules import (
     Backward,
     BackwardWeight,
     Forward,
@@ -81,7 +84,6 @@ from mpipar.schedules import (
     SendGrad,
     stage_schedule,
 )
-from mpipar.trace import TRACE
 
 TAG_ACT, TAG_GRAD, TAG_LOSS = 11, 12, 13
 CHUNK_TAG = 100  # a message to model chunk c has the tag TAG_ACT or TAG_GRAD + c * CHUNK_TAG

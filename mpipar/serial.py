@@ -12,8 +12,8 @@ This module does not import MPI: the reference needs one process and nothing els
 
 import numpy as np
 
-from mpipar import backend as B
-from mpipar import data, nn, optim
+from mpipar.engine import backend as B
+from mpipar.engine import data, nn, optim
 
 DEFAULTS = {  # per model: what trains well within a minute on 2 cores
     "mlp": dict(steps=300, batch_size=64, lr=0.05, optim="sgd"),

@@ -14,7 +14,7 @@ the partial results together. The seed's steps:
    forward, identity backward) after a row-parallel one, and the vocabulary-parallel
    embedding and cross-entropy, which Allreduce partial lookups and softmax statistics.
    With ``--sequence-parallel`` (GPT) the activations between those layers are also sharded
-   along the sequence (:mod:`mpipar.sequence_parallel`): ``g'`` reduce-scatters the partial
+   along the sequence (:mod:`mpipar.parts.sequence_parallel`): ``g'`` reduce-scatters the partial
    outputs by rows of the sequence, ``f'`` allgathers the rows before a column-parallel layer,
    so the LayerNorms and residual adds work on (B, T/t, C), and one Allreduce per step sums
    the LayerNorm and position gradients each rank took from its own rows.
@@ -81,11 +81,12 @@ widths.
 import numpy as np
 from mpi4py import MPI
 
-from mpipar import backend as B
-from mpipar import comm as C
-from mpipar import nn, serial
-from mpipar import sequence_parallel as SP
-from mpipar.sequence_parallel import layer_name
+from mpipar import serial
+from mpipar.engine import backend as B
+from mpipar.engine import nn
+from mpipar.mpi import comm as C
+from mpipar.parts import sequence_parallel as SP
+from mpipar.parts.sequence_parallel import layer_name
 
 
 # ----------------------------------------------------------------------------- index helpers
@@ -384,7 +385,7 @@ class TensorParallel:
     :meth:`step` runs Steps 2 to 5 on the whole batch, which every rank of the group sees."""
 
     def __init__(self, task, grid, args):
-        from mpipar.tp_models import build_tp_model, tp_loss  # made of this file's layers
+        from mpipar.parts.tp_models import build_tp_model, tp_loss  # made of this file's layers
 
         self.task, self.comm = task, grid.tp_comm
         self.model = build_tp_model(task, self.comm).init(args.seed)

@@ -4,7 +4,7 @@
     mpirun -n 4 python -m mpipar.data_parallel --sync ring
     mpirun -n 4 python -m mpipar.train pipeline --schedule gpipe   # the same, named
 
-This module owns the command line (:mod:`mpipar.cli`: the flags every trainer shares and
+This module owns the command line (:mod:`mpipar.runner.cli`: the flags every trainer shares and
 each scheme's own, and the refusals as a table of condition and message), the process grid,
 the one training loop (progress bar, ``--log-every``, ``--explain`` for the first step only),
 the held-out evaluation, ``--save-params``, and each scheme's report (the pipeline's bubble,
@@ -27,13 +27,15 @@ from collections import deque
 import numpy as np
 from mpi4py import MPI
 
-from mpipar import backend as B
-from mpipar import checkpoint, clip, comm, memory, recompute, serial
-from mpipar.checkpoint import load_params, save_params  # noqa: F401 (tests load with train's)
-from mpipar.cli import SCHEMES, check_model, layer_names, parse_args
-from mpipar.grid import Grid
-from mpipar.schedules import SPLIT, bubble_formula, format_schedule, peak_in_flight
-from mpipar.trace import TRACE, gantt, median_bubble, median_step, step_summary
+from mpipar import serial
+from mpipar.engine import backend as B
+from mpipar.mpi import comm
+from mpipar.mpi.grid import Grid
+from mpipar.mpi.trace import TRACE, gantt, median_bubble, median_step, step_summary
+from mpipar.parts.schedules import SPLIT, bubble_formula, format_schedule, peak_in_flight
+from mpipar.runner import checkpoint, clip, memory, recompute
+from mpipar.runner.checkpoint import load_params, save_params  # noqa: F401 (tests load with train's)
+from mpipar.runner.cli import SCHEMES, check_model, layer_names, parse_args
 
 DRAWN = ("forward", "backward", "optimizer")  # trace kinds on the timeline; the rest is idle
 WINDOW = 500  # steps whose traces the pipeline's report keeps (the last ones)

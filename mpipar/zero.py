@@ -18,7 +18,7 @@ ZeRO-2 (:class:`Zero2Scheme`): the data-parallel steps with Steps 4 and 5 change
 4. Each bucket is reduce-scattered: rank r adds the sum of block r to its shard's gradient and
    the full buffer is dropped; each rank updates its shards. Without ``--overlap`` this is MPI's
    Reduce_scatter, one call per bucket after the backward. With ``--overlap`` a bucket starts as
-   soon as the backward has made its gradients final; mpipar.comm has no non-blocking
+   soon as the backward has made its gradients final; mpipar.mpi.comm has no non-blocking
    Reduce_scatter, so :class:`PostedReduceScatter` builds one from the wrapper's Irecv and Isend.
 5. The updated shards are allgathered into every replica, bucket by bucket. The parameters
    are views into one padded buffer per bucket, kept all run, whose block r is the shard's
@@ -38,7 +38,7 @@ ZeRO-3 (:class:`Zero3Scheme`): one FlatShard per layer of ``model.layers``.
    gradient) and free both. Steps 3 and 4 run once per ``--micro-batches`` piece.
    With ``--overlap`` (prefetch, as FSDP's forward and backward prefetch), each layer's
    Allgather is posted before the previous layer runs (:class:`PostedAllgather`, from Isend and
-   Irecv: mpipar.comm has no Iallgather), so its bytes travel while that layer computes; a rank
+   Irecv: mpipar.mpi.comm has no Iallgather), so its bytes travel while that layer computes; a rank
    then holds two layers' full parameters at once, not one.
 5. Each rank updates its shards with its own 1/P of the optimizer state. Nothing is sent: the
    next forward gathers what it needs.
@@ -72,11 +72,12 @@ replica's Bcast), mixed precision, CPU/NVMe offload (ZeRO-Offload, ZeRO-Infinity
 quantised and hierarchical collectives.
 """
 
-from mpipar import backend as B
-from mpipar import comm, serial
+from mpipar import serial
 from mpipar.data_parallel import Replica, make_buckets
-from mpipar.nn import Parameter
-from mpipar.trace import TRACE
+from mpipar.engine import backend as B
+from mpipar.engine.nn import Parameter
+from mpipar.mpi import comm
+from mpipar.mpi.trace import TRACE
 
 
 # ----------------------------------------------------------------------------- communication
@@ -164,7 +165,7 @@ class FlatShard:
 
 class PostedReduceScatter:
     """A non-blocking reduce-scatter of ``flat`` (P equal blocks) that adds block r of the sum
-    into ``out``, from the wrapper's Irecv and Isend (mpipar.comm has no Ireduce_scatter).
+    into ``out``, from the wrapper's Irecv and Isend (mpipar.mpi.comm has no Ireduce_scatter).
 
     Rank r receives block r from every other rank and sends rank q its block q: P-1 messages of
     one block each way, (P-1)/P of the buffer, what any reduce-scatter must move. ``wait`` adds
@@ -196,7 +197,7 @@ class PostedReduceScatter:
 
 class PostedAllgather:
     """A non-blocking allgather of ``shard`` into ``flat`` (block q from rank q), from the
-    wrapper's Irecv and Isend (mpipar.comm has no Iallgather): rank r sends its shard to each
+    wrapper's Irecv and Isend (mpipar.mpi.comm has no Iallgather): rank r sends its shard to each
     other rank and receives theirs, P-1 messages of one block each way, (P-1)/P of the buffer.
     Every receive is posted before any send, so this cannot deadlock, not even with
     synchronous sends (MPIPAR_SSEND=1)."""
@@ -288,10 +289,10 @@ class Sharded(Replica):
         self.flat = None  # Replica's full flat buffer served the Bcast only
 
     def memory(self):
-        """Bytes this rank holds now, each buffer once (:mod:`mpipar.memory`): parameters and
+        """Bytes this rank holds now, each buffer once (:mod:`mpipar.runner.memory`): parameters and
         gradients (full and sharded), optimizer state. Between ZeRO-3 steps each is 1/P of the
         serial trainer's (plus padding); ZeRO-2 holds the parameters whole."""
-        from mpipar import memory
+        from mpipar.runner import memory
 
         held = memory.count(memory.arrays_of(self))
         return {"param_bytes": held["params"], "grad_bytes": held["grads"],

@@ -94,7 +94,7 @@ def mpirun():
 
 @pytest.fixture(autouse=True)
 def float64():
-    from mpipar import backend as B
+    from mpipar.engine import backend as B
 
     B.use("numpy", "float64")
     yield

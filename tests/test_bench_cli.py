@@ -1,6 +1,6 @@
 """Command lines of the tools around the schemes: the benchmarks' flags (a flag given beside
 --quick wins; results go to --out, never over the committed plots/ unless asked) and
-mpipar.grid's refusals. No benchmark is timed here: where a benchmark would start its mpirun
+mpipar.mpi.grid's refusals. No benchmark is timed here: where a benchmark would start its mpirun
 workers, the launch is caught and its flags are read."""
 
 import csv
@@ -9,11 +9,11 @@ import importlib
 import pytest
 from conftest import MPI_SCRIPTS, ROOT
 
-from mpipar import report
-from mpipar.bench import __main__ as bench_cli
-from mpipar.bench import common, net
-from mpipar.bench.common import cores
-from mpipar.bench.tp import HIDDEN
+from mpipar.tools import report
+from mpipar.tools.bench import __main__ as bench_cli
+from mpipar.tools.bench import common, net
+from mpipar.tools.bench.common import cores
+from mpipar.tools.bench.tp import HIDDEN
 
 COMMITTED = ROOT / "plots"
 
@@ -24,7 +24,7 @@ class Launched(Exception):
 
 def worker_flags(monkeypatch, name, argv, via_dispatcher=False):
     """The flags the benchmark ``name`` would give its first mpirun launch."""
-    module = importlib.import_module(f"mpipar.bench.{name}")
+    module = importlib.import_module(f"mpipar.tools.bench.{name}")
     launches = []
 
     def run_ranks(n, worker_module, args=(), timeout=600):
@@ -68,7 +68,7 @@ def test_a_flag_given_beside_quick_wins(name, argv, expected, monkeypatch):
 
 
 def test_quick_through_the_dispatcher_keeps_explicit_steps(monkeypatch):
-    """`python -m mpipar.bench pp --quick --steps 20` once timed 3 steps."""
+    """`python -m mpipar.tools.bench pp --quick --steps 20` once timed 3 steps."""
     assert worker_flags(monkeypatch, "pp", ["--quick", "--steps", "20"], True)["--steps"] == "20"
 
 
@@ -87,7 +87,7 @@ def test_engine_from_the_command_line_writes_to_scratch(monkeypatch, tmp_path, c
                                                         committed_untouched):
     monkeypatch.delenv("MPIPAR_PLOTS", raising=False)
     monkeypatch.setattr(common, "SCRATCH", tmp_path / "scratch")
-    engine = importlib.import_module("mpipar.bench.engine")
+    engine = importlib.import_module("mpipar.tools.bench.engine")
     engine.main(["--quick", "--repeats", "3"])
     with open(tmp_path / "scratch" / "engine.csv", newline="") as f:
         (row,) = csv.DictReader(f)
@@ -107,7 +107,7 @@ def test_out_decides_where_the_results_go(monkeypatch, tmp_path):
 
 def test_tp_plot_only_reads_and_draws_in_out(tmp_path, committed_untouched):
     (tmp_path / "tp.csv").write_bytes((COMMITTED / "tp.csv").read_bytes())
-    importlib.import_module("mpipar.bench.tp").main(["--plot-only", "--out", str(tmp_path)])
+    importlib.import_module("mpipar.tools.bench.tp").main(["--plot-only", "--out", str(tmp_path)])
     assert (tmp_path / "tp_comm_share.png").stat().st_size > 0
 
 
@@ -116,7 +116,7 @@ def test_make_report_runs_every_benchmark_into_plots(monkeypatch):
     that a benchmark's own default is a scratch folder."""
     calls = {}
     for name in report.BENCHES:
-        module = importlib.import_module(f"mpipar.bench.{name}")
+        module = importlib.import_module(f"mpipar.tools.bench.{name}")
         monkeypatch.setattr(module, "main", lambda argv, name=name: calls.setdefault(name, argv))
     report.run_benchmarks(quick=True)
     assert calls == {name: ["--out", str(report.PLOTS), "--quick"] for name in report.BENCHES}
@@ -137,7 +137,7 @@ def test_each_launch_starts_from_an_empty_folder(monkeypatch, tmp_path):
     assert ran == [(tmp_path / "launch-2", [])]
 
 
-# ----------------------------------------------------------------------------- mpipar.grid
+# ----------------------------------------------------------------------------- mpipar.mpi.grid
 @pytest.mark.parametrize("flags, says", [
     (["--tp", "0"], "error: --tp must be at least 1, got 0"),
     (["--pp", "-2"], "error: --pp must be at least 1, got -2"),
@@ -145,7 +145,7 @@ def test_each_launch_starts_from_an_empty_folder(monkeypatch, tmp_path):
 ])
 def test_grid_refuses_a_size_below_one(flags, says, mpirun):
     """--tp 0 once died in a ZeroDivisionError traceback on every rank."""
-    proc = mpirun(2, ["-m", "mpipar.grid", *flags], timeout=60, check=False)
+    proc = mpirun(2, ["-m", "mpipar.mpi.grid", *flags], timeout=60, check=False)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip() == says, proc.stderr  # one line, from rank 0 only
     assert proc.stdout == ""
@@ -156,8 +156,8 @@ def test_wait_tables_every_strategy_and_the_shared_core_ratios(monkeypatch, tmp_
     """No launch here: step_time() is replaced by steps of 10 ms on 2 ranks, 13 ms on 4 with
     the default strategy and 20 ms with any other: the table, the 4/2 ratios and their verdicts
     must come out exactly."""
-    from mpipar import waiting
-    from mpipar.bench import wait
+    from mpipar.mpi import waiting
+    from mpipar.tools.bench import wait
 
     launched = []
 
@@ -213,8 +213,8 @@ def test_wait_tables_every_strategy_and_the_shared_core_ratios(monkeypatch, tmp_
 def test_a_core_per_stage_replays_as_the_schedule_simulator_does(name):
     """With a core per stage, the shared-cores replay is schedules.simulate (free messages);
     with one core, the sum of every forward and backward; in between, neither bound broken."""
-    from mpipar import schedules
-    from mpipar.bench.wait import on_shared_cores
+    from mpipar.parts import schedules
+    from mpipar.tools.bench.wait import on_shared_cores
 
     fwd, m = [2.0, 1.0, 1.5, 0.5], 5
     bwd = [2.1 * f for f in fwd]
@@ -233,7 +233,7 @@ def test_four_equal_stages_on_two_cores_finish_before_two_stages_on_two():
     (1 and 2): on 2 cores, 2 stages take (m + p - 1)(F + B) = 30 units; 4 stages sharing them
     finish sooner, as each fill and drain step is half as long, though never before 24 (all
     the work, 48 units, on 2 cores)."""
-    from mpipar.bench.wait import on_shared_cores
+    from mpipar.tools.bench.wait import on_shared_cores
 
     assert on_shared_cores("1f1b", [2.0, 2.0], [4.0, 4.0], 4, 2)[0] == pytest.approx(30.0)
     assert 24.0 <= on_shared_cores("1f1b", [1.0] * 4, [2.0] * 4, 4, 2)[0] < 30.0
@@ -253,7 +253,7 @@ def test_alone_trains_a_whole_copy_on_each_rank_without_waiting():
     """bench wait's ALONE, launched for real on 2 ranks: each rank runs the serial trainer on
     the main job's model, so the ranks compute all the time (CPU time near 2 ranks' wall time)
     and never wait (no voluntary context switch: nothing sleeps)."""
-    from mpipar.bench.wait import ALONE, step_time
+    from mpipar.tools.bench.wait import ALONE, step_time
 
     t = step_time(2, ALONE, "3")
     assert t.step > 0 and t.cpu > 0.5 * 2 * t.step, t
@@ -261,7 +261,7 @@ def test_alone_trains_a_whole_copy_on_each_rank_without_waiting():
 
 
 def test_wait_refuses_a_step_count_below_one(tmp_path):
-    from mpipar.bench import wait
+    from mpipar.tools.bench import wait
 
     with pytest.raises(SystemExit):
         wait.main(["--steps", "0", "--out", str(tmp_path)])
@@ -269,11 +269,11 @@ def test_wait_refuses_a_step_count_below_one(tmp_path):
 
 def test_make_report_launches_the_headline_benchmarks_again(monkeypatch, tmp_path):
     """--launches R: launches 2..R of the headline benchmarks, each into its own folder."""
-    from mpipar import headlines
+    from mpipar.tools import headlines
 
     calls = []
     for name in headlines.benches():
-        module = importlib.import_module(f"mpipar.bench.{name}")
+        module = importlib.import_module(f"mpipar.tools.bench.{name}")
         monkeypatch.setattr(module, "main", lambda argv, name=name: calls.append((name, argv)))
     monkeypatch.setattr(report, "SCRATCH", tmp_path)
     folders = report.launch_again(quick=False, launches=3)

@@ -5,7 +5,7 @@ import pytest
 from conftest import assert_refused
 
 from mpipar import serial
-from mpipar.cli import FLAG_RULES, MODEL_RULES, check_model, parse_args
+from mpipar.runner.cli import FLAG_RULES, MODEL_RULES, check_model, parse_args
 
 CASES = [  # (scheme, ranks, flags, what the message says)
     ("serial", 2, [], "the serial trainer is one process, but this job has 2 ranks"),
@@ -136,7 +136,7 @@ def test_every_rule_of_the_tables_is_exercised():
 def _unchecked(scheme, flags, ranks):
     """The flags parsed and completed as the runner does, before any rule runs (None when
     argparse itself refuses them)."""
-    import mpipar.cli as cli
+    import mpipar.runner.cli as cli
 
     saved, cli.FLAG_RULES = cli.FLAG_RULES, []
     try:
@@ -159,11 +159,11 @@ def test_new_refusals_end_every_rank_under_mpirun(ranks, scheme, flags, message)
     assert_refused(ranks, scheme, flags, message)
 
 
-@pytest.mark.skipif(__import__("mpipar.backend").backend.cupy_problem() is None,
+@pytest.mark.skipif(__import__("mpipar.engine.backend").engine.backend.cupy_problem() is None,
                     reason="CuPy and a GPU are here: --backend cupy runs")
 def test_backend_cupy_without_cupy_or_a_gpu_is_one_message_and_exit_2_on_every_rank():
     """Without CuPy (or without a GPU) --backend cupy is refused once, with the reason, before
     any array exists; every rank exits with code 2."""
-    from mpipar.backend import cupy_problem
+    from mpipar.engine.backend import cupy_problem
 
     assert_refused(2, "data_parallel", ["--backend", "cupy"], cupy_problem())

@@ -1,9 +1,9 @@
-"""The emulated cluster (mpipar.cluster): every scheme trains across emulated hosts exactly as the
-serial trainer does; a hybrid's tensor-parallel groups stay inside a host while data or pipeline
-parallelism crosses the link; the link is real (latency above shared memory's, a 100 Mbit/s
-limit that a 1 MiB message feels); bad input is refused with exit code 2; and no namespace or
-link outlives a run: not after a normal end, a refusal, SIGTERM or SIGINT, and not after a
-SIGKILL (the next start removes what was left).
+"""The emulated cluster (mpipar.tools.cluster): every scheme trains across emulated hosts exactly as
+the serial trainer does; a hybrid's tensor-parallel groups stay inside a host while data or pipeline
+parallelism crosses the link; the link is real (latency above shared memory's, a 100 Mbit/s limit
+that a 1 MiB message feels); bad input is refused with exit code 2; and no namespace or link
+outlives a run: not after a normal end, a refusal, SIGTERM or SIGINT, and not after a SIGKILL (the
+next start removes what was left).
 
 Tests that need namespaces skip, with the reason, where they cannot be made (not root, no
 ``ip``); a missing mpirun is an error, as everywhere in the suite.
@@ -18,8 +18,8 @@ import time
 import pytest
 from conftest import MPI_SCRIPTS, ROOT, assert_matches_serial, find_mpirun
 
-from mpipar import cluster
-from mpipar.bench import link
+from mpipar.tools import cluster
+from mpipar.tools.bench import link
 
 REASON = cluster.unavailable()
 needs_hosts = pytest.mark.skipif(REASON is not None, reason=f"cannot emulate hosts: {REASON}")
@@ -33,12 +33,12 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", PYTHONPATH
 
 
 def cluster_command(command, hosts=2, bandwidth="none"):
-    return [sys.executable, "-m", "mpipar.cluster", "--hosts", str(hosts), "--bandwidth",
+    return [sys.executable, "-m", "mpipar.tools.cluster", "--hosts", str(hosts), "--bandwidth",
             bandwidth, *map(str, command)]
 
 
 def on_cluster(command, hosts=2, bandwidth="none", timeout=90, check=True):
-    """Run ``python -m mpipar.cluster ... COMMAND``; the CompletedProcess."""
+    """Run ``python -m mpipar.tools.cluster ... COMMAND``; the CompletedProcess."""
     find_mpirun()  # a missing mpirun is an error, not a skip
     cmd = cluster_command(command, hosts, bandwidth)
     try:
@@ -115,7 +115,7 @@ def test_the_link_is_real(leaves_nothing):
     is compared. (Small-message latency is not compared: with 4 ranks on 2 cores a same-host
     8-byte round trip waits for a sleeping rank to wake, and read 9.7 us against 8.0 us across
     hosts in one clean-clone run.)"""
-    out = on_cluster(mpirun_n(4, "-m", "mpipar.bench.link", "--pingpong", "--repeats", "3"),
+    out = on_cluster(mpirun_n(4, "-m", "mpipar.tools.bench.link", "--pingpong", "--repeats", "3"),
                      bandwidth="100mbit").stdout
     pairs = link.read_pairs(out)
     same, across = pairs["same host"], pairs["across hosts"]
@@ -159,7 +159,7 @@ def test_link_predictions_of_the_other_schemes():
     (a Reduce and a Bcast through one root), the hand-written ring = the ring formula; tensor
     parallelism = compute + each traced Allreduce at the ring formula; the pipeline = the
     1F1B replay with alpha + n beta per message, plus the messages past the micro-batches'."""
-    from mpipar.report_link import outlasts_bits
+    from mpipar.tools.report_link import outlasts_bits
 
     alpha, beta, n = 1e-4, 1e-8, 8_000_000
     assert link.predict_sync(0.2, n, "master", alpha, beta) == pytest.approx(
@@ -207,7 +207,7 @@ BAD = {
 def test_bad_input_is_refused(case):
     """Refused before anything is built, so this needs no root: one line, exit code 2."""
     flags, n, message = BAD[case]
-    proc = subprocess.run([sys.executable, "-m", "mpipar.cluster", *flags, "mpirun", "-n",
+    proc = subprocess.run([sys.executable, "-m", "mpipar.tools.cluster", *flags, "mpirun", "-n",
                            str(n), "hostname"], capture_output=True, text=True, timeout=30,
                           env=ENV, cwd=ROOT)
     assert proc.returncode == 2, (proc.returncode, proc.stderr)

@@ -59,12 +59,12 @@ def test_a_spinning_wait_is_caught(mpirun):
     assert proc.returncode != 0 and "burned" in proc.stderr
 
 
-# -- never fail silently: a hung rank, Ctrl-C, bad environment values (mpipar/failure.py)
+# -- never fail silently: a hung rank, Ctrl-C, bad environment values (mpipar/mpi/failure.py)
 def test_the_flight_recorder_keeps_the_last_16_calls_and_clears_the_wait():
     from mpi4py import MPI
 
-    from mpipar import comm as C
-    from mpipar.failure import FLIGHT
+    from mpipar.mpi import comm as C
+    from mpipar.mpi.failure import FLIGHT
 
     c = C.Comm(MPI.COMM_SELF, "self")
     for step in range(20):
@@ -78,7 +78,7 @@ def test_the_flight_recorder_keeps_the_last_16_calls_and_clears_the_wait():
                                             (4, "yield", "yield")])
 def test_a_pipeline_stage_sleeps_when_ranks_outnumber_cores(mpirun, n, given, expect):
     """The machines these tests run on have 2 cores: 4 ranks outnumber them, 2 do not."""
-    from mpipar import backend as B
+    from mpipar.engine import backend as B
 
     if B.cores() != 2:
         pytest.skip(f"counts on a 2-core machine; this one has {B.cores()}")
@@ -89,7 +89,7 @@ def test_a_pipeline_stage_sleeps_when_ranks_outnumber_cores(mpirun, n, given, ex
 def test_the_watchdog_lists_direct_sends_and_receives_without_a_time():
     """A blocking Send or Recv that goes straight to MPI reads no clock: the watchdog's list
     shows it in its place, its time column empty, its partner's rank written out."""
-    from mpipar.failure import hung_lines
+    from mpipar.mpi.failure import hung_lines
 
     recent = [(9.5, "world", "Bcast", "root 0 -> all", "the weights"),
               (None, "pp", "Send", 1, "micro-batch 0"), (None, "pp", "Recv", 2, "")]
@@ -103,8 +103,8 @@ def test_the_watchdog_lists_direct_sends_and_receives_without_a_time():
 def test_rank_0_lines_are_one_write_each(monkeypatch):
     """With an unbuffered stdout, ``print`` writes a line and its newline apart, and the
     launcher may put another rank's line between them (a lesson's output lost a line so)."""
-    from mpipar import comm as C
-    from mpipar import explain
+    from mpipar.mpi import comm as C
+    from mpipar.mpi import explain
 
     writes = []
 
@@ -123,7 +123,7 @@ def test_rank_0_lines_are_one_write_each(monkeypatch):
 
 def test_no_watchdog_without_a_positive_limit():
     """In a fresh process: the tests' own in-process runs may have started one here."""
-    code = ("from mpipar import comm, failure\n"
+    code = ("from mpipar.mpi import comm, failure\n"
             "for seconds in (None, 0, -1):\n"
             "    comm.start_watchdog(seconds)\n"
             "print('watchdog' in failure._started)")
@@ -259,7 +259,7 @@ def test_bad_environment_values_are_refused(mpirun, name, value, expected):
 def test_the_flight_recorder_writes_a_blocking_calls_partner_out_when_it_reports():
     """A blocking Send or Recv records its partner's rank alone (no string formatted on a
     ping-pong's path); the report reads as the other calls' do."""
-    from mpipar.failure import _call
+    from mpipar.mpi.failure import _call
 
     assert _call("world", "Send", 3, "") == "Send on world: -> rank 3"
     assert _call("pp", "Recv", 0, "micro-batch 2") == "Recv on pp: <- rank 0  (micro-batch 2)"

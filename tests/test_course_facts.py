@@ -19,8 +19,8 @@ import textwrap
 import pytest
 from conftest import MPI_SCRIPTS, ROOT
 
-from mpipar import cli
-from mpipar import simulate as S
+from mpipar.runner import cli
+from mpipar.tools import simulate as S
 
 PLOTS = ROOT / "plots"
 LESSONS = ROOT / "lessons"
@@ -85,9 +85,9 @@ def test_md_citation_resolves(path, line, target, anchor):
 
 # ----------------------------------------------------------------------------- lesson 1
 def comm_mpi_methods():
-    """Public methods of mpipar.comm.Comm (its own and inherited) that issue an MPI call: they
+    """Public methods of mpipar.mpi.comm.Comm (its own and inherited) that issue an MPI call: they
     use ``self.mpi``, or call a method of the class that does (``Send`` posts ``Isend``)."""
-    from mpipar.comm import Comm
+    from mpipar.mpi.comm import Comm
 
     sources = {name: textwrap.dedent(inspect.getsource(f)) for name, f in
                inspect.getmembers(Comm, inspect.isfunction) if f.__module__.startswith("mpipar")}
@@ -198,7 +198,7 @@ def test_lesson_6_quotes_every_scheme_s_2_rank_speedup_from_the_csv():
 
 
 def test_lesson_6_sharing_the_cores_is_the_csv():
-    from mpipar.bench.wait import BARE
+    from mpipar.tools.bench.wait import BARE
 
     pairs = {r["scheme"]: float(r["ratio"]) for r in rows("wait.csv") if r["ratio"]}
     dp, bare = pairs["dp allreduce: 4 / 2 ranks"], pairs[f"{BARE}: 4 / 2 ranks"]
@@ -224,10 +224,10 @@ def test_lesson_6_sharing_the_cores_is_the_csv():
 def test_lesson_6_cost_model_beside_megatron():
     """The lesson's command, run, gives the days the lesson states for 300e9 tokens."""
     text = flat(lesson("06"))
-    command = re.search(r"\$ python -m mpipar\.simulate --preset gpt3 ([^$]*?"
+    command = re.search(r"\$ python -m mpipar\.tools\.simulate --preset gpt3 ([^$]*?"
                         r"--micro-batches 192 [^$]*?--recompute)", text)
     argv = ["--preset", "gpt3", *command.group(1).split(), "--json"]
-    out = subprocess.run([sys.executable, "-m", "mpipar.simulate", *argv], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "mpipar.tools.simulate", *argv], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout
     r = json.loads(out)
     days = 300e9 / r["tokens_per_s"] / 86400
@@ -289,14 +289,14 @@ def test_lesson_7_averaging_mistake_fails_at_the_second_step_s_loss(mpirun):
 def test_lesson_9_link_numbers_are_the_csv():
     """The table lesson 9 shows is plots/link.csv's run (each rate's DP steps, exposed
     communication, predictions and errors), and so are the numbers its text quotes."""
-    from mpipar.cluster import burst_bytes, format_rate, parse_rate
-    from mpipar.report_link import crossover_bits
+    from mpipar.tools.cluster import burst_bytes, format_rate, parse_rate
+    from mpipar.tools.report_link import crossover_bits
 
     link = rows("link.csv")
     dp = {(r["bandwidth"], r["mode"]): r for r in link if r["kind"] == "dp"}
     ms = lambda rate, mode, key="seconds": f"{float(dp[rate, mode][key]) * 1e3:.0f} ms"  # noqa
     text = lesson("09")
-    table = text.split("$ python -m mpipar.bench.link\n")[1].split("```")[0].splitlines()
+    table = text.split("$ python -m mpipar.tools.bench.link\n")[1].split("```")[0].splitlines()
     for rate in {rate for rate, _ in dp}:
         row = next(line for line in table if line.strip().startswith(
             format_rate(parse_rate(rate))))
@@ -341,10 +341,10 @@ def test_lesson_9_link_numbers_are_the_csv():
 
 def test_lesson_9_speedup_table_is_the_csv():
     """The speedup table lesson 9 shows (the last of bench link's output) is link.csv's."""
-    from mpipar.cluster import format_rate, parse_rate
+    from mpipar.tools.cluster import format_rate, parse_rate
 
     link = rows("link.csv")
-    table = lesson("09").split("$ python -m mpipar.bench.link\n")[1].split("```")[0]
+    table = lesson("09").split("$ python -m mpipar.tools.bench.link\n")[1].split("```")[0]
     table = table.split("speedup over one process")[1].splitlines()
     modes = table[1].split()[1:]
     at = {(r["bandwidth"], r["mode"]): r for r in link if r.get("speedup")}
@@ -359,7 +359,7 @@ def test_lesson_9_other_schemes_are_the_csv():
     """Lesson 9's paragraph on the other schemes across the link quotes plots/link.csv's rows
     of kind "scheme": the 100 Mbit/s steps, the bytes per step, the rate below which each
     scheme's predicted communication outlasts its compute, and the worst prediction."""
-    from mpipar.report_link import outlasts_bits
+    from mpipar.tools.report_link import outlasts_bits
 
     link = rows("link.csv")
     at = {(r["bandwidth"], r["mode"]): r for r in link if r["kind"] == "scheme"}
@@ -396,7 +396,7 @@ def test_readme_claims_only_what_the_tests_prove():
 
 
 def test_readme_says_how_a_rank_waits_as_waiting_does():
-    from mpipar import waiting
+    from mpipar.mpi import waiting
 
     text = flat((ROOT / "README.md").read_text())
     assert (f"polls for {waiting.SPIN_S * 1e6:g} us, then yields its core between polls for up "
@@ -450,9 +450,10 @@ def test_benchmarks_in_lessons_never_write_the_committed_plots():
 def test_lesson_6_exercise_5_is_the_replay():
     """The ratios and busy shares of the worked solution are ideal()'s; the limit is the stages'
     FLOPs as plan_stages cuts the default GPT."""
-    from mpipar import plan, serial
-    from mpipar.bench.wait import ideal
-    from mpipar.cli import parse_args
+    from mpipar import serial
+    from mpipar.parts import plan
+    from mpipar.runner.cli import parse_args
+    from mpipar.tools.bench.wait import ideal
 
     text = (LESSONS / "solutions" / "06-performance.md").read_text()
     values = [ideal(["mpipar.pipeline", "--micro-batches", str(m)]) for m in (1, 2, 4, 16, 32)]

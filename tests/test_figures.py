@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
-from mpipar import figures
-from mpipar.figures import collectives, layouts
-from mpipar.figures.draw import ThreadRanks, pyplot
-from mpipar.grid import Grid
-from mpipar.schedules import bubble_formula, schedule, simulate, simulated_bubble
+from mpipar.mpi.grid import Grid
+from mpipar.parts.schedules import bubble_formula, schedule, simulate, simulated_bubble
+from mpipar.tools import figures
+from mpipar.tools.figures import collectives, layouts
+from mpipar.tools.figures.draw import ThreadRanks, pyplot
 
 COMMITTED = ROOT / "lessons" / "figures"
 
@@ -24,7 +24,8 @@ COMMITTED = ROOT / "lessons" / "figures"
 def fresh(tmp_path_factory):
     """Every picture drawn by the command, into a scratch folder."""
     out = tmp_path_factory.mktemp("figures")
-    proc = subprocess.run([sys.executable, "-m", "mpipar.figures", "--out", str(out)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "mpipar.tools.figures", "--out", str(out)],
+                          cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     return out
@@ -142,8 +143,8 @@ def bars(widths_ms, rows=2):
 
 
 def drawn(widths_ms, monkeypatch, cores=64, ranks=None):
-    from mpipar import backend
-    from mpipar.trace import gantt
+    from mpipar.engine import backend
+    from mpipar.mpi.trace import gantt
 
     plt = pyplot()
     monkeypatch.setattr(backend, "cores", lambda: cores)

@@ -15,7 +15,7 @@ import pytest
 from conftest import assert_params_close, run_mpi
 
 from mpipar import train
-from mpipar.backend import cupy_problem
+from mpipar.engine.backend import cupy_problem
 
 PROBLEM = cupy_problem()
 pytestmark = [pytest.mark.gpu,
@@ -74,7 +74,7 @@ def test_every_scheme_on_the_gpu_equals_serial_training(layout, serial, tmp_path
 
 
 def test_the_engine_benchmark_runs_on_the_gpu(tmp_path):
-    run_mpi(1, ["-m", "mpipar.bench", "engine", "--backend", "cupy", "--quick", "--out",
+    run_mpi(1, ["-m", "mpipar.tools.bench", "engine", "--backend", "cupy", "--quick", "--out",
                 tmp_path], timeout=300)
     text = (tmp_path / "engine_gpu.csv").read_text()
     assert "bare_cupy_ms" in text and text.count("\n") == 4  # a header and 16, 32, 128 rows

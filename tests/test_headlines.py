@@ -3,7 +3,7 @@ judged against their targets by every launch (met), by the median only, or not m
 
 import csv
 
-from mpipar import headlines
+from mpipar.tools import headlines
 
 
 def write(folder, name, rows):
@@ -55,7 +55,7 @@ def test_a_benchmark_run_again_into_plots_moves_launch_1_only(tmp_path):
 def test_launch_1_is_the_committed_plots():
     """What the section says: make report's first launch writes plots/, the CSVs the other
     sections read; launches 2.. go to scratch folders."""
-    from mpipar import report
+    from mpipar.tools import report
 
     assert report.launch_again(quick=True, launches=1) == [report.PLOTS]
 
@@ -70,7 +70,7 @@ def test_verdict():
 
 def test_every_headline_reads_the_committed_plots():
     """Each headline's extractor finds its figure in the CSVs the report committed."""
-    from mpipar.bench.common import PLOTS
+    from mpipar.tools.bench.common import PLOTS
 
     missing = [h.key for h in headlines.HEADLINES if h.extract(PLOTS) is None]
     assert not missing, missing
@@ -102,8 +102,8 @@ def test_bench_wait_s_rounds_are_its_launches(tmp_path):
 def test_the_speed_section_sets_the_framework_beside_the_bare_floor(tmp_path):
     """wait.csv's pairs: each against its target, and the bare loop's (no target) as the
     floor the framework's data-parallel ratio is divided by."""
-    from mpipar import report_speed
-    from mpipar.bench.wait import BARE
+    from mpipar.tools import report_speed
+    from mpipar.tools.bench.wait import BARE
 
     cell = dict(scheme="dp ring", strategy="spin", default="True", step_ms=2.0, min_ms=1.5,
                 max_ms=2.5, loadavg_1min=0.3, ratio="", ratio_min="", ratio_max="", target="")
@@ -132,7 +132,7 @@ def test_the_speed_section_sets_the_framework_beside_the_bare_floor(tmp_path):
 def test_the_main_job_is_set_beside_a_perfect_scheduler(tmp_path):
     """bench wait's ideal for the main job: the measured ratio and busy share beside it, and
     the verdict follows the data (busy cores: CPU time lost; idle cores: ranks woke late)."""
-    from mpipar import report_speed
+    from mpipar.tools import report_speed
 
     main = dict(scheme="main job (pipeline): 4 / 2 ranks", strategy="sleep", default="True",
                 step_ms=50.0, min_ms="", max_ms="", loadavg_1min=0.3, ratio=1.08,

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from mpipar import backend as B
-from mpipar import nn
+from mpipar.engine import backend as B
+from mpipar.engine import nn
 
 RNG = np.random.default_rng(0)
 

@@ -44,7 +44,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, find_mpirun
 
-from mpipar.backend import cores
+from mpipar.engine.backend import cores
 
 LESSONS = sorted((ROOT / "lessons").glob("*.md"))
 CITE = re.compile(r"`(mpipar/[\w/]+\.py) > ([^`]+)`")
@@ -167,7 +167,7 @@ def short_flags(command):
     first = command.partition(" | ")[0]
     if TRAINERS.search(first) and not re.search(r"--help|--print|--steps", first):
         return f"--steps {SHORT_STEPS} --quiet"
-    if "-m mpipar.bench" in first and "--help" not in first:
+    if "-m mpipar.tools.bench" in first and "--help" not in first:
         return "--quick"
     return ""
 

@@ -1,6 +1,7 @@
-"""The memory ledger (mpipar.memory): each buffer counted once, whatever views alias it; every
-scheme's bytes per rank equal to the formula, exactly, under mpirun (tests/mpi/memory_checks.py);
-``--memory`` prints every rank's row beside the cost model's prediction."""
+"""The memory ledger (mpipar.runner.memory): each buffer counted once, whatever views alias it;
+every scheme's bytes per rank equal to the formula, exactly, under mpirun
+(tests/mpi/memory_checks.py); ``--memory`` prints every rank's row beside the cost model's
+prediction."""
 
 import re
 
@@ -8,8 +9,8 @@ import numpy as np
 import pytest
 from conftest import MPI_SCRIPTS
 
-from mpipar import memory
-from mpipar import simulate as S
+from mpipar.runner import memory
+from mpipar.tools import simulate as S
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])

@@ -4,8 +4,8 @@
 import numpy as np
 import pytest
 
-from mpipar import backend as B
-from mpipar import nn, optim
+from mpipar.engine import backend as B
+from mpipar.engine import nn, optim
 
 
 def params(seed, dtype):

@@ -145,7 +145,7 @@ def test_split_backward_is_the_backward_bit_for_bit(kind, first):
     input has no gradient), or fed a float activation as a later stage is."""
     import numpy as np
 
-    from mpipar import nn
+    from mpipar.engine import nn
 
     def stage():
         model = nn.MLP([8, 16, 16, 4]) if kind == "mlp" else \

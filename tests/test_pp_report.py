@@ -1,7 +1,7 @@
 """The report's paragraph on the pipeline with taller micro-batches reads every figure from
 the rows it is given (pp_rows256.csv's and pp.csv's), and says whether the target is met."""
 
-from mpipar.bench.pp import wide_paragraph
+from mpipar.tools.bench.pp import wide_paragraph
 
 
 def row(schedule, speedup, rows=256, **factors):
@@ -46,7 +46,7 @@ def test_rows_default_to_64_even_after_a_run_with_taller_micro_batches(monkeypat
     """make report runs bench pp after bench pp_wide in one process, launch after launch:
     pp_wide's 256 rows must not become pp's default (it did once: launches 2 and 3 of the
     64-row benchmark ran at 256 rows and the report read an older pp.csv for them)."""
-    from mpipar.bench import pp
+    from mpipar.tools.bench import pp
 
     monkeypatch.setattr(pp, "ROWS", 256)
     assert pp.parser().parse_args([]).rows == 64 == pp.DEFAULT_ROWS
@@ -58,7 +58,7 @@ def test_the_blas_reference_adds_the_micro_batches_dw_into_the_whole_batch_s():
     the serial and accumulated steps and both ways of the products."""
     import numpy as np
 
-    from mpipar.bench.pp import SerialReference
+    from mpipar.tools.bench.pp import SerialReference
 
     ref = SerialReference(1, [2])
     ref.products_whole(2)
@@ -71,7 +71,7 @@ def test_the_blas_reference_adds_the_micro_batches_dw_into_the_whole_batch_s():
 
 
 def test_the_speedup_paragraph_says_what_the_blas_library_alone_keeps():
-    from mpipar.bench.pp import speedup_paragraph
+    from mpipar.tools.bench.pp import speedup_paragraph
 
     r = row("1f1b", 1.09, rows=64, micro_efficiency=0.644, stage_efficiency=1.01)
     text = "".join(speedup_paragraph([dict(r, blas_efficiency="0.700")]))

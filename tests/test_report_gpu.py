@@ -1,9 +1,9 @@
 """REPORT.md's GPU section: how to measure it where no GPU run is recorded, the device and the
-tables from the CSVs where one is, and `python -m mpipar.report_gpu` rewriting only that
+tables from the CSVs where one is, and `python -m mpipar.tools.report_gpu` rewriting only that
 section of a report (the rest keeps the figures of the machine that measured them)."""
 
-from mpipar.bench.common import write_csv
-from mpipar.report_gpu import TITLE, gpu_section, update
+from mpipar.tools.bench.common import write_csv
+from mpipar.tools.report_gpu import TITLE, gpu_section, update
 
 
 def gpu_csvs(folder):

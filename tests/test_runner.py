@@ -58,7 +58,7 @@ def test_a_long_pipeline_run_keeps_the_last_steps_only(capsys, monkeypatch):
 def test_the_trace_holds_one_step_at_most(capsys):
     """With TRACE.calls on, every MPI call records a span; the loop clears them each step, so a
     long run's memory stays flat (the trace of a run of 40 steps is that of its last step)."""
-    from mpipar.trace import TRACE
+    from mpipar.mpi.trace import TRACE
 
     TRACE.calls = True
     try:

@@ -4,7 +4,7 @@ zero-bubble ZB-H1 with its W instructions too."""
 
 import pytest
 
-from mpipar.schedules import (
+from mpipar.parts.schedules import (
     SCHEDULES,
     SPLIT,
     Backward,
@@ -338,7 +338,7 @@ def test_zb_h1_idle_time_is_the_papers(tf, tb, tw):
 def test_bench_pp_zb_formula_is_the_replay_with_those_times(tf, tb, tw):
     """bench pp's ZB-H1 bubble from measured F, B, W equals the schedule replayed with them
     (equal stages, m >= p), and with equal times it is bubble_formula's (p-1)/(3m+p-1)."""
-    from mpipar.bench.pp import replayed_bubble, zb_formula
+    from mpipar.tools.bench.pp import replayed_bubble, zb_formula
 
     for p, m in CASES:
         if m < p:

@@ -6,9 +6,10 @@ import sys
 import numpy as np
 import pytest
 
-from mpipar import backend as B
-from mpipar import data, serial, train
-from mpipar.cli import parse_args
+from mpipar import serial, train
+from mpipar.engine import backend as B
+from mpipar.engine import data
+from mpipar.runner.cli import parse_args
 
 
 def test_mlp_reaches_95_percent(capsys):
@@ -54,7 +55,7 @@ def test_digits_are_scikit_learns_without_importing_it():
     table, reference = data.digits_table(), load_digits()
     assert np.array_equal(table[:, :-1], reference.data)
     assert np.array_equal(table[:, -1].astype(int), reference.target)
-    code = ("import sys; from mpipar import data; data.Digits(); "
+    code = ("import sys; from mpipar.engine import data; data.Digits(); "
             "print('sklearn' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -79,8 +80,8 @@ def test_an_unknown_flag_is_one_message_and_exit_2_on_every_rank(mpirun, module)
 
 def test_the_reference_does_not_start_mpi():
     """Importing the one-process reference (and the model, data and optimizer) loads no MPI."""
-    code = ("import sys, mpipar.serial, mpipar.nn, mpipar.optim, mpipar.data; "
-            "print(sorted(m for m in sys.modules if m.startswith(('mpi4py', 'mpipar.comm'))))")
+    code = ("import sys, mpipar.serial, mpipar.engine.nn, mpipar.engine.optim, mpipar.engine.data; "
+            "print(sorted(m for m in sys.modules if m.startswith(('mpi4py', 'mpipar.mpi.comm'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=60).stdout
     assert out.strip() == "[]", out

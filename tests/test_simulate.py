@@ -7,17 +7,18 @@ from types import SimpleNamespace
 
 import pytest
 
-from mpipar import hardware as H
-from mpipar import nn, plan, schedules
-from mpipar import simulate as S
-from mpipar import tp_models as TP
+from mpipar.engine import nn
+from mpipar.parts import plan, schedules
+from mpipar.parts import tp_models as TP
+from mpipar.tools import hardware as H
+from mpipar.tools import simulate as S
 
 HW = S.this_machine(flops=1e9, alpha=1e-5, beta=1e-9)
 
 
-# ----------------------------------------------------------------------------- mpipar.plan
+# ----------------------------------------------------------------------------- mpipar.parts.plan
 # The numbers below are the ones the flops() methods of nn's layers gave before FLOP counting
-# moved to mpipar.plan; the move changed none of them.
+# moved to mpipar.parts.plan; the move changed none of them.
 def test_layer_flops_of_the_default_mlp_and_gpt_are_pinned():
     # 2 N d_in d_out per Linear (N = 64 rows), nothing for ReLU
     assert plan.layer_flops(nn.MLP([64, 128, 64, 10]), (64, 64)) == \
@@ -63,7 +64,7 @@ def test_partition_balances_flops_and_gives_bounds():
 
 def test_the_cost_model_imports_no_mpi():
     """simulate and plan run where no MPI is installed: not one mpi4py module is imported."""
-    code = "import mpipar.simulate, sys; print([m for m in sys.modules if 'mpi4py' in m])"
+    code = "import mpipar.tools.simulate, sys; print([m for m in sys.modules if 'mpi4py' in m])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
@@ -335,7 +336,7 @@ def test_zero3_gather_work_is_every_layers_values_twice_per_micro_batch_at_any_d
 
 
 def test_zero3_cost_is_the_one_rank_difference_over_the_values_gathered(tmp_path):
-    from mpipar.bench import memory as M
+    from mpipar.tools.bench import memory as M
 
     rows = [dict(experiment="zero", ranks=p, config=c, params="1000", step_ms=str(t))
             for p, c, t in ((1, "ZeRO-0", 50.0), (1, "ZeRO-3", 53.0), (2, "ZeRO-3", 99.0),
@@ -449,7 +450,7 @@ def test_cli_recompute_takes_full_or_selective_and_alone_means_full(capsys):
 
 
 def test_cli_refusal_exits_2_from_the_command_line():
-    out = subprocess.run([sys.executable, "-m", "mpipar.simulate", "--tp", "-2"],
+    out = subprocess.run([sys.executable, "-m", "mpipar.tools.simulate", "--tp", "-2"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.splitlines()[-1].endswith(

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import strict_xp
 
-from mpipar import backend as B
 from mpipar import serial
-from mpipar.cli import parse_args
+from mpipar.engine import backend as B
+from mpipar.runner.cli import parse_args
 
 FLAGS = {
     "mlp": ["--model", "mlp", "--optim", "adam", "--batch-size", "16"],
@@ -111,7 +111,7 @@ def test_distributed_schemes_on_the_strict_module_equal_numpy(mpirun, tmp_path):
 def test_the_engine_benchmark_runs_both_steps_on_a_device_module(strict, monkeypatch):
     """`bench engine --backend cupy`'s timed part on the stand-in: the engine's step and the
     bare step (written with the module's calls) on device arrays, agreeing on the loss."""
-    from mpipar.bench import engine
+    from mpipar.tools.bench import engine
 
     monkeypatch.setattr(B, "dtype", np.float32)
     engine_s, bare_s, ratio, fastest = engine.measure(16, repeats=2)

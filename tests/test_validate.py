@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from mpipar import validate
+from mpipar.tools import validate
 
 
 def test_fit_power_recovers_a_rate_that_grows_with_size():
@@ -73,7 +73,7 @@ def test_tp_calibration_without_the_column_falls_back_to_the_flops_share():
 def test_validation_reads_tp_csv_with_and_without_the_both_busy_column(monkeypatch):
     """The committed CSVs validate as they are; adding step_both_ms (here the one-rank time
     1.5 times) slows only the 2-rank tensor-parallel predictions."""
-    from mpipar.bench.common import read_csv
+    from mpipar.tools.bench.common import read_csv
 
     def rows_with(column):
         def read(name):

@@ -18,5 +18,6 @@ import numpy as np
 a, b = np.load("resumed.npz"), np.load("serial.npz")
 err = max(float(np.abs(a[k] - b[k]).max() / np.abs(b[k]).max()) for k in b.files)
 print(f"{len(b.files)} tensors, largest relative difference from the serial run: {err:.1e}")
+assert err <= 1e-10, "not the serial run's parameters"  # the tests' tolerance
 PY
 rm -rf "$PWD"

@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from mpipar import comm as C
+from mpipar.mpi import comm as C
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--timeout", type=float, default=0, help="watchdog limit, seconds")

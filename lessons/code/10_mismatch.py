@@ -10,7 +10,7 @@ import argparse
 
 import numpy as np
 
-from mpipar import comm as C
+from mpipar.mpi import comm as C
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--timeout", type=float, default=0, help="watchdog limit, seconds")

@@ -5,7 +5,7 @@ it with NumPy (the same bytes and the same sums as MPI's Reduce).
 
     mpirun -n 2 python lessons/solutions/master_parts.py        # 16 MiB of float64
 
-Every call goes through mpipar.comm, as in the benchmark; the median of 9 after 2 warm-ups,
+Every call goes through mpipar.mpi.comm, as in the benchmark; the median of 9 after 2 warm-ups,
 the slowest rank's, three rounds taken in turn so that other work on the machine hits all.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from mpipar.comm import Comm
+from mpipar.mpi.comm import Comm
 
 world = Comm(MPI.COMM_WORLD)
 n_bytes = 16 * 2**20

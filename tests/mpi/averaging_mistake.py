@@ -16,9 +16,9 @@ from pathlib import Path
 
 from reference import make_task, serial_run
 
-from mpipar import comm as C
 from mpipar import hybrid as H
-from mpipar.cli import parse_args
+from mpipar.mpi import comm as C
+from mpipar.runner.cli import parse_args
 
 LESSON = Path(__file__).resolve().parents[2] / "lessons" / "07-hybrid.md"
 GPT = ["--model", "gpt", "--d-model", "8", "--n-heads", "2", "--n-layers", "2", "--seq-len",

@@ -5,11 +5,11 @@ copied its parameters from is left alone while it runs."""
 
 import numpy as np
 
-from mpipar import backend as B
-from mpipar import comm as C
 from mpipar import serial, train
-from mpipar.bench.wait import BareDP
-from mpipar.grid import Grid
+from mpipar.engine import backend as B
+from mpipar.mpi import comm as C
+from mpipar.mpi.grid import Grid
+from mpipar.tools.bench.wait import BareDP
 
 C.install_excepthook()
 B.use("numpy", "float64")

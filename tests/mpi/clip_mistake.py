@@ -4,7 +4,8 @@ classic clipping bug: every rank counts the replicated tensors in the global nor
 import math
 import sys
 
-from mpipar import clip, train
+from mpipar import train
+from mpipar.runner import clip
 
 
 def split_norm_counting_replicas_everywhere(tp_comm, groups):

@@ -1,6 +1,6 @@
-"""Where the process grid's groups sit on the hosts of an emulated cluster (mpipar.cluster).
+"""Where the process grid's groups sit on the hosts of an emulated cluster (mpipar.tools.cluster).
 
-    python -m mpipar.cluster --hosts 2 mpirun -n 4 python tests/mpi/cluster_layout.py 2 2 1
+    python -m mpipar.tools.cluster --hosts 2 mpirun -n 4 python tests/mpi/cluster_layout.py 2 2 1
 
 Arguments: dp tp pp. With 2 ranks per host and tp 2, every tensor-parallel group (the most
 talkative) stays inside one host, and the data-parallel or pipeline groups cross the link,
@@ -11,8 +11,8 @@ import sys
 
 from mpi4py import MPI
 
-from mpipar.comm import install_excepthook
-from mpipar.grid import Grid
+from mpipar.mpi.comm import install_excepthook
+from mpipar.mpi.grid import Grid
 
 install_excepthook()
 dp, tp, pp = map(int, sys.argv[1:4])

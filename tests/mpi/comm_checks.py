@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from mpipar import comm as C
-from mpipar import waiting
+from mpipar.mpi import comm as C
+from mpipar.mpi import waiting
 
 C.install_excepthook()
 w = C.world()

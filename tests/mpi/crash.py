@@ -4,7 +4,7 @@ import sys
 
 import numpy as np
 
-from mpipar import comm as C
+from mpipar.mpi import comm as C
 
 C.install_excepthook()
 w = C.world()

@@ -12,12 +12,12 @@ import hashlib
 import numpy as np
 from reference import BUCKET, MODELS, serial_run
 
-from mpipar import backend as B
-from mpipar import comm as C
 from mpipar import data_parallel as DP
 from mpipar import serial
-from mpipar.cli import parse_args
-from mpipar.grid import Grid
+from mpipar.engine import backend as B
+from mpipar.mpi import comm as C
+from mpipar.mpi.grid import Grid
+from mpipar.runner.cli import parse_args
 from mpipar.train import trainer_class
 
 C.install_excepthook()

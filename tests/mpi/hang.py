@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from mpipar import comm as C
+from mpipar.mpi import comm as C
 
 hung, how, seconds = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
 C.install_excepthook()

@@ -27,13 +27,14 @@ import sys
 import numpy as np
 from reference import make_task, serial_run
 
-from mpipar import backend as B
-from mpipar import comm as C
 from mpipar import hybrid as H
-from mpipar import memory, serial
+from mpipar import serial
 from mpipar import tensor_parallel as TP
-from mpipar.cli import parse_args
-from mpipar.trace import TRACE
+from mpipar.engine import backend as B
+from mpipar.mpi import comm as C
+from mpipar.mpi.trace import TRACE
+from mpipar.runner import memory
+from mpipar.runner.cli import parse_args
 
 TRACE.calls = True  # the checks read each MPI call's span
 C.install_excepthook()

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from mpipar import comm as C
+from mpipar.mpi import comm as C
 
 C.install_excepthook()
 w = C.world()

@@ -1,4 +1,4 @@
-"""mpirun -n P python tests/mpi/memory_checks.py: the memory ledger (mpipar.memory) of every
+"""mpirun -n P python tests/mpi/memory_checks.py: the memory ledger (mpipar.runner.memory) of every
 scheme against the formulas, in float32 with Adam, as exact equalities of bytes per rank.
 
 n parameters, 4 bytes a value, s = ceil(n / P) values per ZeRO shard (P s with the padding):
@@ -25,10 +25,10 @@ micro-batches. One value (4 bytes) or one array more or less anywhere fails.
 import numpy as np
 from reference import make_task
 
-from mpipar import comm as C
-from mpipar import memory, recompute
-from mpipar.grid import Grid
-from mpipar.schedules import peak_in_flight
+from mpipar.mpi import comm as C
+from mpipar.mpi.grid import Grid
+from mpipar.parts.schedules import peak_in_flight
+from mpipar.runner import memory, recompute
 from mpipar.tensor_parallel import is_sharded
 from mpipar.train import trainer_class
 

@@ -20,12 +20,13 @@ import sys
 import numpy as np
 from reference import make_task, serial_run
 
-from mpipar import backend as B
-from mpipar import comm as C
 from mpipar import pipeline as PP
-from mpipar import plan, serial
-from mpipar.grid import Grid
-from mpipar.schedules import (
+from mpipar import serial
+from mpipar.engine import backend as B
+from mpipar.mpi import comm as C
+from mpipar.mpi.grid import Grid
+from mpipar.parts import plan
+from mpipar.parts.schedules import (
     SCHEDULES,
     SPLIT,
     Backward,

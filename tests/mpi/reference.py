@@ -1,9 +1,10 @@
 """What the distributed checks share: a task built from flags exactly as a trainer builds it
-(:func:`mpipar.cli.parse_args`), and the serial reference run every scheme is compared with."""
+(:func:`mpipar.runner.cli.parse_args`), and the serial reference run every scheme is compared with.
+"""
 
-from mpipar import backend as B
 from mpipar import serial
-from mpipar.cli import parse_args
+from mpipar.engine import backend as B
+from mpipar.runner.cli import parse_args
 
 # the data-parallel checks' models (dp_checks, zero_checks) and their gradient buckets
 MODELS = {  # 10 and 11 rows: uneven over 3 and 4 ranks (and 11 over 2)

@@ -25,14 +25,15 @@ import sys
 import numpy as np
 from reference import make_task, serial_run
 
-from mpipar import backend as B
-from mpipar import comm as C
 from mpipar import hybrid as H
-from mpipar import nn, recompute
-from mpipar import sequence_parallel as SP
 from mpipar import tensor_parallel as TP
-from mpipar.grid import Grid
-from mpipar.trace import TRACE
+from mpipar.engine import backend as B
+from mpipar.engine import nn
+from mpipar.mpi import comm as C
+from mpipar.mpi.grid import Grid
+from mpipar.mpi.trace import TRACE
+from mpipar.parts import sequence_parallel as SP
+from mpipar.runner import recompute
 
 TRACE.calls = True  # the checks read each MPI call's span
 C.install_excepthook()

@@ -2,7 +2,7 @@
 array module that refuses implicit host conversions (tests/strict_xp.py, CuPy's rules on NumPy).
 
 Every MPI call stages device arrays through host buffers (``backend.host``, ``host_out`` and
-``copy_back``, called by mpipar.comm); with CuPy that is the only way an array reaches MPI.
+``copy_back``, called by mpipar.mpi.comm); with CuPy that is the only way an array reaches MPI.
 For each scheme below, the trainer is built twice in float64 from the same flags, once on
 NumPy and once on the strict module (set after ``parse_args``, which selects NumPy), and run
 for 2 steps; the strict one must hold strict arrays, and the full parameters gathered to rank 0
@@ -29,11 +29,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: the strict module
 import strict_xp  # noqa: E402
 
-from mpipar import backend as B
-from mpipar import checkpoint, clip, memory, recompute, serial
-from mpipar import comm as C
-from mpipar.cli import parse_args
-from mpipar.grid import Grid
+from mpipar import serial
+from mpipar.engine import backend as B
+from mpipar.mpi import comm as C
+from mpipar.mpi.grid import Grid
+from mpipar.runner import checkpoint, clip, memory, recompute
+from mpipar.runner.cli import parse_args
 from mpipar.train import trainer_class
 
 C.install_excepthook()

@@ -12,15 +12,15 @@ import sys
 
 import numpy as np
 
-from mpipar import backend as B
-from mpipar import comm as C
-from mpipar import nn
 from mpipar import tensor_parallel as tp
-from mpipar import tp_models as tpm
-from mpipar.cli import parse_args
-from mpipar.grid import Grid
-from mpipar.tp_models import tp_size_problem
-from mpipar.trace import TRACE
+from mpipar.engine import backend as B
+from mpipar.engine import nn
+from mpipar.mpi import comm as C
+from mpipar.mpi.grid import Grid
+from mpipar.mpi.trace import TRACE
+from mpipar.parts import tp_models as tpm
+from mpipar.parts.tp_models import tp_size_problem
+from mpipar.runner.cli import parse_args
 
 TRACE.calls = True  # the checks read each MPI call's span
 C.install_excepthook()

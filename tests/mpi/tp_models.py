@@ -15,11 +15,11 @@ import sys
 import numpy as np
 from reference import make_task
 
-from mpipar import comm as C
 from mpipar import serial
 from mpipar import tensor_parallel as tp
-from mpipar.grid import Grid
-from mpipar.trace import TRACE
+from mpipar.mpi import comm as C
+from mpipar.mpi.grid import Grid
+from mpipar.mpi.trace import TRACE
 
 TRACE.calls = True  # the checks read each MPI call's span
 C.install_excepthook()

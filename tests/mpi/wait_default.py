@@ -4,8 +4,9 @@ stages when they outnumber them; MPIPAR_WAIT, when given, for every scheme."""
 
 import os
 
-from mpipar import comm, serial, train, waiting
-from mpipar.grid import Grid
+from mpipar import serial, train
+from mpipar.mpi import comm, waiting
+from mpipar.mpi.grid import Grid
 
 given = os.environ.get("MPIPAR_WAIT") or None  # unset or empty: none given
 over = comm.OVERSUBSCRIBED

@@ -18,10 +18,10 @@ import hashlib
 import numpy as np
 from reference import BUCKET, MODELS, make_task, serial_run
 
-from mpipar import backend as B
-from mpipar import comm as C
 from mpipar import zero as Z
-from mpipar.grid import Grid
+from mpipar.engine import backend as B
+from mpipar.mpi import comm as C
+from mpipar.mpi.grid import Grid
 from mpipar.train import trainer_class
 
 C.install_excepthook()

@@ -1,3 +1,0 @@
-from mpipar.figures import main
-
-main()

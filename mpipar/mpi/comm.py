@@ -1,0 +1,466 @@
+"""The only module that hands arrays to MPI.
+
+Run any scheme under ``mpirun -n 4 python -m mpipar.<scheme>``; this module gives it a
+:class:`Comm` that wraps an mpi4py communicator and, on every call:
+
+1. uses the buffer (upper-case) API: arrays are never pickled;
+2. checks the array first: C-contiguous (a transposed view is accepted by MPI and arrives in
+   the wrong order, so it is refused here), and of the expected shape and dtype;
+3. counts calls and logical payload bytes per operation (``stats``), see :class:`Comm`;
+4. records a timestamped span in :data:`mpipar.mpi.trace.TRACE` and, with ``--explain``, prints
+   a line naming the call, the partner ranks, the bytes and the time (:mod:`mpipar.mpi.explain`);
+5. waits without burning a core when ranks outnumber cores: a blocking call is posted as its
+   non-blocking twin and completed by :func:`wait`, whose strategies :mod:`mpipar.mpi.waiting`
+   holds, with their measurements.
+
+It also keeps this rank's flight recorder (:data:`mpipar.mpi.failure.FLIGHT`: the last calls, and
+the one it waits in now) for the watchdog, and re-exports the ways a job ends from
+:mod:`mpipar.mpi.failure`: ``install_excepthook`` (one rank's exception ends the whole job),
+``start_watchdog`` (so does a rank that waits too long) and ``refuse`` (bad input: exit code 2).
+``MPIPAR_SSEND=1`` maps every send to a synchronous send, so that an ordering that only works
+while MPI buffers small messages deadlocks at once in the tests; ``MPIPAR_WAIT`` names the way
+a rank waits: ``spin`` (MPI's own Wait), ``backoff``, ``yield`` or ``sleep`` (see
+:mod:`mpipar.mpi.waiting`). Any other value of either is refused.
+
+The hot path costs little (a ping-pong of 8 bytes through :class:`Comm` against bare mpi4py:
+``python -m mpipar.tools.bench overhead``). When the job waits with ``spin`` the blocking Send, Recv
+and Allreduce call MPI's blocking twin directly, in one Python frame plus one for the record
+(the others post the non-blocking twin and wait); a direct Send or Recv formats no string (the
+flight recorder keeps the partner's rank and writes "-> rank 3" only when it reports), reads no
+clock, and counts itself with two additions to plain counters that ``stats`` folds in when read;
+the bound MPI calls are looked up once per communicator; the flight recorder is a fixed-length
+deque (a ring kept in C, one append a call). In a ping-pong the work a rank does between its
+Send and its next Recv is on the critical path too: when it outlasts the other rank's
+turnaround, the reply waits for it (dict updates there cost 0.15 us of a 2.5 us one-way time).
+"""
+
+from collections import defaultdict
+from functools import lru_cache
+from itertools import accumulate
+
+import numpy as np
+from mpi4py import MPI
+
+from mpipar.engine import backend as B
+from mpipar.mpi import explain, waiting
+from mpipar.mpi.failure import FLIGHT, install_excepthook, refuse, start_watchdog  # noqa: F401
+from mpipar.mpi.failure import env_choice as _env
+from mpipar.mpi.metadata import PickledCalls
+from mpipar.mpi.trace import TRACE
+
+EXPLAIN = False  # set by a scheme's --explain: narrate every call on every rank
+_now, BYTE = MPI.Wtime, MPI.BYTE
+SSEND = _env("MPIPAR_SSEND", ("0", "1")) == "1"
+
+
+# ----------------------------------------------------------------------------- waiting
+# how a rank waits: MPIPAR_WAIT, else backoff when ranks outnumber cores, else "spin" (MPI's own
+# Wait); a pipeline stage sets the default for long waits (waiting.default)
+OVERSUBSCRIBED = B.on_this_machine()[1] > max(B.cores(), 1)  # more ranks here than cores
+WAIT = _env("MPIPAR_WAIT", tuple(waiting.STRATEGIES)) or waiting.default(OVERSUBSCRIBED)
+
+
+def wait(request, status=None, call=("", "MPI request", "", "")):
+    """Complete a request with the strategy ``WAIT`` names (:mod:`mpipar.mpi.waiting`): MPI's own
+    Wait ("spin"), or polls with Test between which a rank yields or sleeps, so that a waiting
+    rank leaves its core to a rank that computes when ranks outnumber cores.
+
+    ``call`` (comm name, op, detail, what) is what the watchdog names if the wait never ends."""
+    FLIGHT.waiting = (_now(), *call)
+    try:
+        waiting.STRATEGIES[WAIT](request, status)
+    finally:
+        FLIGHT.waiting = None
+
+
+# ----------------------------------------------------------------------------- checks
+def check_array(a, shape=None, dtype=None, what="array"):
+    """Refuse what MPI would silently get wrong: a non-contiguous view, a wrong shape/dtype."""
+    if not isinstance(a, (np.ndarray, B.xp.ndarray)):
+        raise TypeError(f"{what}: expected an array, got {type(a).__name__}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{what}: refusing a non-contiguous array of shape {a.shape} (a "
+                         "transposed view or a strided slice?); MPI would read its memory in the "
+                         "wrong order. Pass np.ascontiguousarray(a).")
+    if shape is not None and tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{what}: shape {tuple(a.shape)}, expected {tuple(shape)}")
+    if dtype is not None and a.dtype != np.dtype(dtype):
+        raise ValueError(f"{what}: dtype {a.dtype}, expected {np.dtype(dtype)}")
+
+
+def _check_count(status, buf, source):
+    count = status.Get_count(MPI.BYTE)
+    if count != buf.nbytes:
+        raise ValueError(f"Recv from {source}: got {count} bytes, buffer of shape "
+                         f"{buf.shape} {buf.dtype} expects {buf.nbytes}")
+
+
+# "-> rank 3", formatted once per rank: an f-string per call costs a tenth of an 8-byte message
+TO, FROM = lru_cache(None)("-> rank {}".format), lru_cache(None)("<- rank {}".format)
+
+
+class Request:
+    """A posted non-blocking call; ``wait()`` completes it (without spinning) and records it."""
+
+    def __init__(self, comm, mpi_request, op, detail, nbytes, finish=None, what=""):
+        self.comm, self.mpi_request, self.what = comm, mpi_request, what
+        self.op, self.detail, self.nbytes, self.finish = op, detail, nbytes, finish
+        self.t0, self.status = _now(), MPI.Status()
+        # complete: MPI has finished the transfer; done: wait() has checked, copied back, recorded
+        self.complete = self.done = False
+
+    def test(self):
+        """Let MPI advance the request (MPICH progresses only inside MPI calls); True once
+        it has completed. ``wait()`` must still be called to finish and record it."""
+        if not self.complete:
+            self.complete = self.mpi_request.Test(self.status)
+        return self.complete
+
+    def wait(self):
+        if not self.done:
+            if not self.complete:
+                wait(self.mpi_request, self.status,
+                     (self.comm.name, self.op, self.detail, self.what))
+                self.complete = True
+            if self.finish is not None:
+                self.finish(self.status)
+            self.comm._record(self.op, self.detail, self.nbytes, self.t0, self.what)
+            self.done = True
+        return self.status
+
+
+# ----------------------------------------------------------------------------- the wrapper
+class Comm(PickledCalls):
+    """An mpi4py communicator with checked, counted, traced and non-spinning calls.
+
+    ``stats[op]`` holds ``calls``, ``messages`` (point-to-point messages this rank sent),
+    ``sent`` and ``recv``: the logical payload bytes this rank contributed to and got from the
+    operation. For a collective these are the bytes of the data the call moves between this
+    rank and the others, independent of MPI's internal algorithm: a root that broadcasts n
+    bytes to p-1 ranks counts sent = (p-1) n; each receiver counts recv = n; an Allreduce of
+    n bytes counts sent = recv = n on every rank.
+    """
+
+    def __init__(self, mpi_comm, name="world"):
+        self.mpi, self.name = mpi_comm, name
+        self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+        self._stats = defaultdict(lambda: defaultdict(int))
+        self._sends = self._sent = self._recvs = self._received = 0  # the fast path's, see stats
+        self.status = MPI.Status()  # of the direct blocking receives
+        self._send = getattr(mpi_comm, "Ssend" if SSEND else "Send", None)  # bound once (None:
+        self._recv = getattr(mpi_comm, "Recv", None)  # (a stand-in without them,
+        # mpipar.tools.figures)
+
+    # -- bookkeeping
+    @property
+    def stats(self):
+        """``stats[op][key]`` (see the class). The blocking Send and Recv that go straight to
+        MPI add to four plain counters, folded in here: the dict updates cost more than an
+        8-byte message's whole turnaround on the other rank, so they delayed the next call."""
+        if self._sends:
+            self._count("Send", sent=self._sent, messages=self._sends, calls=self._sends)
+        if self._recvs:
+            self._count("Recv", recv=self._received, calls=self._recvs)
+        self._sends = self._sent = self._recvs = self._received = 0
+        return self._stats
+
+    def _count(self, op, sent=0, recv=0, messages=0, calls=1):
+        s = self._stats[op]
+        s["calls"] += calls
+        s["sent"] += int(sent)
+        s["recv"] += int(recv)
+        s["messages"] += messages
+
+    def _record(self, op, detail, nbytes, t0, what=""):
+        FLIGHT.recent.append((_now(), self.name, op, detail, what))
+        if TRACE.calls or EXPLAIN:
+            self._trace(op, detail, nbytes, t0, what)
+
+    def _trace(self, op, detail, nbytes, t0, what):
+        """A span per call (TRACE.calls) and the --explain line: both off in a plain run."""
+        t1 = _now()
+        if TRACE.calls:
+            TRACE.events.append((t0, t1, "comm", op,
+                                 {"comm": self.name, "detail": detail, "bytes": nbytes}))
+        if EXPLAIN:
+            explain.completed(self, op, detail, nbytes, t1 - t0, what)
+
+    def say(self, text):
+        """With --explain: one line prefixed by the world rank and this group's rank."""
+        if EXPLAIN:
+            explain.call_line(self, text)
+
+    def posted(self, op, detail, nbytes, what):
+        """With --explain, name a non-blocking call when it is posted (it completes later,
+        in ``wait``, which prints the time it took): overlap is then visible."""
+        FLIGHT.recent.append((_now(), self.name, op + " posted", detail, what))
+        if EXPLAIN:
+            explain.posted(self, op, detail, nbytes, what)
+
+    def reset_stats(self):
+        self.stats.clear()  # the fast counters first folded, then cleared with the rest
+
+    def total(self, key, ops=None):
+        return sum(s[key] for op, s in self.stats.items() if ops is None or op in ops)
+
+    def _blocking(self, req, op, detail, nbytes, t0, what="", host=None, dev=None):
+        """Complete a posted collective, copy its result back to the device (CuPy), record."""
+        wait(req, None, (self.name, op, detail, what))
+        B.copy_back(host, dev)
+        self._record(op, detail, nbytes, t0, what)
+
+    # -- point to point
+    def Send(self, buf, dest, tag=0, what=""):
+        """The hot path of a ping-pong, so written out: MPI's blocking Send, bracketed by the
+        flight recorder, and two additions (the ``stats`` counters). No clock is read and no
+        string formatted (see :class:`mpipar.mpi.failure.Flight`); a traced or narrated call takes
+        the general path, which times it. A 1-D array is C-contiguous exactly when MPI takes it
+        (a strided one raises BufferError, which check_array then explains), so only an array
+        of 2 or more dimensions has its flags read (a flags object: 50 ns). A Python call
+        costs about 0.1 us, an 8-byte message about 2."""
+        if WAIT != "spin" or TRACE.calls or EXPLAIN or type(buf) is not np.ndarray \
+                or buf.ndim > 1 and not buf.flags.c_contiguous:
+            self.Isend(buf, dest, tag, what, posted=False).wait()
+            return
+        FLIGHT.waiting = call = (None, self.name, "Send", dest, what)  # the rank: "-> rank 3"
+        try:  # when read (failure._call)
+            self._send(buf, dest, tag)
+        except BufferError:
+            check_array(buf, what=f"Send to {dest}")
+            raise
+        finally:
+            FLIGHT.waiting = None
+        FLIGHT.recent.append(call)
+        self._sends += 1  # counted after the send (Recv: before)
+        self._sent += buf.nbytes
+
+    def Isend(self, buf, dest, tag=0, what="", posted=True):
+        """Post a send (a synchronous one with MPIPAR_SSEND=1); ``.wait()`` completes it.
+        ``what`` names the data for --explain (a layer, a bucket, a micro-batch)."""
+        check_array(buf, what=f"Isend to {dest}")
+        post = self.mpi.Issend if SSEND else self.mpi.Isend
+        self._count("Send", sent=buf.nbytes, messages=1)
+        detail = TO(dest)
+        if posted:
+            self.posted("Isend", detail, buf.nbytes, what)
+        return Request(self, post(B.host(buf), dest=dest, tag=tag), "Send", detail, buf.nbytes,
+                       what=what)
+
+    def Recv(self, buf, source, tag=0, what=""):
+        """Receive into ``buf``; a message of any other size is an error. Written out as Send."""
+        if WAIT != "spin" or TRACE.calls or EXPLAIN or type(buf) is not np.ndarray \
+                or buf.ndim > 1 and not buf.flags.c_contiguous:
+            return self.Irecv(buf, source, tag, what, posted=False).wait()
+        n, status = buf.nbytes, self.status
+        self._recvs += 1
+        self._received += n
+        FLIGHT.waiting = call = (None, self.name, "Recv", source, what)  # "<- rank 3" when read
+        try:
+            self._recv(buf, source, tag, status)
+        except BufferError:
+            self._recvs, self._received = self._recvs - 1, self._received - n  # not received
+            check_array(buf, what=f"Recv from {source}")
+            raise
+        finally:
+            FLIGHT.waiting = None
+        if status.Get_count(BYTE) != n:
+            _check_count(status, buf, source)  # raises, saying what came
+        FLIGHT.recent.append(call)
+        return status
+
+    def Irecv(self, buf, source, tag=0, what="", posted=True):
+        """Receive into ``buf``; a message of any other size than ``buf`` is an error."""
+        check_array(buf, what=f"Recv from {source}")
+        host, dev = B.host_out(buf)
+
+        def finish(status):
+            _check_count(status, buf, source)
+            B.copy_back(host, dev)
+
+        self._count("Recv", recv=buf.nbytes)
+        detail = FROM(source)
+        if posted:
+            self.posted("Irecv", detail, buf.nbytes, what)
+        req = self.mpi.Irecv(host, source=source, tag=tag)
+        return Request(self, req, "Recv", detail, buf.nbytes, finish, what)
+
+    def Sendrecv(self, sendbuf, dest, recvbuf, source, tag=0, what=""):
+        """Send to ``dest`` and receive from ``source`` at once: cannot deadlock in a ring."""
+        check_array(sendbuf, what=f"Sendrecv to {dest}")
+        check_array(recvbuf, what=f"Sendrecv from {source}")
+        detail = f"-> {dest}, <- {source}"
+        self._count("Sendrecv", sent=sendbuf.nbytes, recv=recvbuf.nbytes, messages=1)
+        t0 = _now()
+        host_in, dev = B.host_out(recvbuf)
+        rreq = self.mpi.Irecv(host_in, source=source, tag=tag)
+        sreq = (self.mpi.Issend if SSEND else self.mpi.Isend)(B.host(sendbuf), dest=dest, tag=tag)
+        call = (self.name, "Sendrecv", detail, what)
+        wait(sreq, None, call)
+        wait(rreq, None, call)
+        B.copy_back(host_in, dev)
+        self._record("Sendrecv", detail, sendbuf.nbytes, t0, what)
+
+    # -- collectives
+    def Barrier(self):
+        self._count("Barrier")
+        self._blocking(self.mpi.Ibarrier(), "Barrier", "all ranks", 0, _now())
+
+    def Bcast(self, buf, root=0, what=""):
+        """Every rank's ``buf`` becomes root's."""
+        check_array(buf, what="Bcast")
+        t0 = _now()
+        host, dev = (B.host(buf), None) if self.rank == root else B.host_out(buf)
+        n = buf.nbytes
+        self._count("Bcast", sent=n * (self.size - 1) if self.rank == root else 0,
+                    recv=0 if self.rank == root else n)
+        self._blocking(self.mpi.Ibcast(host, root=root), "Bcast", f"root {root} -> all", n, t0,
+                       what, host, dev)
+
+    def Reduce(self, sendbuf, recvbuf, op=MPI.SUM, root=0, what=""):
+        """``recvbuf`` on root = op over every rank's ``sendbuf`` (recvbuf ignored elsewhere)."""
+        check_array(sendbuf, what="Reduce")
+        t0, is_root = _now(), self.rank == root
+        if is_root:
+            check_array(recvbuf, sendbuf.shape, sendbuf.dtype, what="Reduce result")
+        host_out, dev = B.host_out(recvbuf) if is_root else (None, None)
+        n = sendbuf.nbytes
+        self._count("Reduce", sent=0 if is_root else n, recv=n * (self.size - 1) if is_root else 0)
+        req = self.mpi.Ireduce(B.host(sendbuf), host_out, op=op, root=root)
+        self._blocking(req, "Reduce", f"all -> root {root}", n, t0, what, host_out, dev)
+
+    def Allreduce(self, buf, op=MPI.SUM, what=""):
+        """In place: every rank's ``buf`` becomes op over all ranks' ``buf``. Straight to MPI's
+        blocking twin when MPI's own Wait is the way to wait and ``buf`` is a C-contiguous host
+        array (anything else takes the checked, posted path, which refuses it or stages it)."""
+        if WAIT != "spin" or type(buf) is not np.ndarray or not buf.flags.c_contiguous:
+            self.Iallreduce(buf, op, what, posted=False).wait()
+            return
+        self._count("Allreduce", sent=buf.nbytes, recv=buf.nbytes)
+        detail, t0 = f"all <-> all ({self.size})", _now()
+        FLIGHT.waiting = (t0, self.name, "Allreduce", detail, what)
+        try:
+            self.mpi.Allreduce(MPI.IN_PLACE, buf, op)
+        finally:
+            FLIGHT.waiting = None
+        self._record("Allreduce", detail, buf.nbytes, t0, what)
+
+    def Iallreduce(self, buf, op=MPI.SUM, what="", posted=True):
+        """Non-blocking in-place Allreduce; call ``.wait()`` on the result before reading buf."""
+        check_array(buf, what="Allreduce")
+        host, dev = B.host_out(buf)
+        if dev is not None:
+            host[...] = B.host(buf)
+        self._count("Allreduce", sent=buf.nbytes, recv=buf.nbytes)
+        if posted:
+            self.posted("Iallreduce", f"all <-> all ({self.size})", buf.nbytes, what)
+        req = self.mpi.Iallreduce(MPI.IN_PLACE, host, op=op)
+        return Request(self, req, "Allreduce", f"all <-> all ({self.size})", buf.nbytes,
+                       lambda status: B.copy_back(host, dev), what)
+
+    def Allgather(self, sendbuf, recvbuf, what=""):
+        """recvbuf (size * len(sendbuf) along axis 0) = every rank's sendbuf, in rank order."""
+        check_array(sendbuf, what="Allgather")
+        check_array(recvbuf, (self.size * sendbuf.shape[0],) + sendbuf.shape[1:], sendbuf.dtype,
+                    what="Allgather result")
+        t0 = _now()
+        host_out, dev = B.host_out(recvbuf)
+        self._count("Allgather", sent=sendbuf.nbytes, recv=recvbuf.nbytes - sendbuf.nbytes)
+        req = self.mpi.Iallgather(B.host(sendbuf), host_out)
+        self._blocking(req, "Allgather", f"all <-> all ({self.size})", recvbuf.nbytes, t0, what,
+                       host_out, dev)
+
+    def Reduce_scatter(self, sendbuf, recvbuf, op=MPI.SUM, what=""):
+        """Sum sendbuf over ranks and give rank r block r (equal blocks along axis 0)."""
+        check_array(sendbuf, what="Reduce_scatter")
+        check_array(recvbuf, (sendbuf.shape[0] // self.size,) + sendbuf.shape[1:],
+                    sendbuf.dtype, what="Reduce_scatter result")
+        t0 = _now()
+        host_out, dev = B.host_out(recvbuf)
+        self._count("Reduce_scatter", sent=sendbuf.nbytes, recv=recvbuf.nbytes)
+        req = self.mpi.Ireduce_scatter_block(B.host(sendbuf), host_out, op=op)
+        self._blocking(req, "Reduce_scatter", f"all <-> all ({self.size})", sendbuf.nbytes, t0,
+                       what, host_out, dev)
+
+    def Scatterv(self, sendbuf, counts, recvbuf, root=0, what=""):
+        """Root splits sendbuf along axis 0 into ``counts[r]`` rows for rank r."""
+        check_array(recvbuf, what="Scatterv result")
+        row = int(np.prod(recvbuf.shape[1:]))
+        if recvbuf.shape[0] != counts[self.rank]:
+            raise ValueError(f"Scatterv: rank {self.rank} expects {counts[self.rank]} rows, "
+                             f"its buffer has {recvbuf.shape[0]}")
+        t0, is_root = _now(), self.rank == root
+        elems = [c * row for c in counts]
+        send = None
+        if is_root:
+            check_array(sendbuf, what="Scatterv")
+            send = [B.host(sendbuf), (elems, offsets(elems)), MPI._typedict[sendbuf.dtype.char]]
+        host_out, dev = B.host_out(recvbuf)
+        self._count("Scatterv", sent=(sendbuf.nbytes - recvbuf.nbytes) if is_root else 0,
+                    recv=0 if is_root else recvbuf.nbytes)
+        req = self.mpi.Iscatterv(send, host_out, root=root)
+        self._blocking(req, "Scatterv", f"root {root} -> all, rows {list(counts)}",
+                       recvbuf.nbytes, t0, what, host_out, dev)
+
+    def Gatherv(self, sendbuf, counts, recvbuf, root=0, what=""):
+        """Root collects ``counts[r]`` rows from rank r into recvbuf, in rank order."""
+        check_array(sendbuf, what="Gatherv")
+        row = int(np.prod(sendbuf.shape[1:]))
+        t0, is_root = _now(), self.rank == root
+        elems = [c * row for c in counts]
+        recv, host_out, dev = None, None, None
+        if is_root:
+            check_array(recvbuf, what="Gatherv result")
+            host_out, dev = B.host_out(recvbuf)
+            recv = [host_out, (elems, offsets(elems)), MPI._typedict[recvbuf.dtype.char]]
+        self._count("Gatherv", sent=0 if is_root else sendbuf.nbytes,
+                    recv=(recvbuf.nbytes - sendbuf.nbytes) if is_root else 0)
+        req = self.mpi.Igatherv(B.host(sendbuf), recv, root=root)
+        self._blocking(req, "Gatherv", f"all -> root {root}", sendbuf.nbytes, t0, what,
+                       host_out, dev)
+
+
+
+def narrate(text):
+    """With --explain, print a line about the step being run, prefixed by the world rank."""
+    if EXPLAIN:
+        explain.step(text)
+
+
+def world():
+    """The whole job as a :class:`Comm`."""
+    return Comm(MPI.COMM_WORLD, "world")
+
+
+def log(*args):
+    """Print on world rank 0 only (every rank computes; one speaks), in one write: with an
+    unbuffered stdout (PYTHONUNBUFFERED=1) ``print`` writes the text and its newline apart,
+    and another rank's line forwarded by the launcher could land between them."""
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        explain.say(" ".join(map(str, args)))
+
+
+def split_rows(n, p):
+    """Rows per rank when n rows are split over p ranks as evenly as possible."""
+    return [n // p + (1 if r < n % p else 0) for r in range(p)]
+
+
+def offsets(counts):
+    """Where each of consecutive pieces of these sizes starts: [0, c0, c0 + c1, ...]."""
+    return list(accumulate(counts, initial=0))[:-1]
+
+
+def flatten(arrays, out=None):
+    """Copy arrays one after another into the contiguous 1-D buffer ``out`` (a new one if
+    None): MPI refuses non-contiguous memory, and one large message beats many small ones."""
+    if out is None:
+        out = B.xp.empty(sum(a.size for a in arrays), dtype=arrays[0].dtype if arrays
+                         else B.dtype)
+    for a, start in zip(arrays, offsets([a.size for a in arrays])):
+        out[start:start + a.size] = a.reshape(-1)
+    return out
+
+
+def unflatten(flat, arrays):
+    """The inverse of :func:`flatten`: copy consecutive pieces of ``flat`` back into arrays."""
+    for a, start in zip(arrays, offsets([a.size for a in arrays])):
+        a[...] = flat[start:start + a.size].reshape(a.shape)

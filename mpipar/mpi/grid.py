@@ -1,0 +1,88 @@
+"""The process grid: DP x TP x PP communicators carved from COMM_WORLD with Split.
+
+Rank layout (documented, and the same in every scheme): tensor-parallel ranks vary fastest,
+then pipeline stages, then data-parallel replicas::
+
+    world_rank = dp * (PP * TP) + pp * TP + tp
+
+so a tensor-parallel group (which talks most: several allreduces per layer) is a run of
+neighbouring ranks, which sit on the same node in a real cluster; pipeline neighbours come next
+and data-parallel replicas (one allreduce per step) are the farthest apart.
+
+Each scheme takes its communicator from here (``grid.dp_comm``, ``grid.tp_comm``,
+``grid.pp_comm``), never COMM_WORLD, so the hybrid scheme can combine all three.
+
+Run ``mpirun -n 8 python -m mpipar.mpi.grid --dp 2 --tp 2 --pp 2`` to print a layout.
+"""
+
+import argparse
+
+from mpi4py import MPI
+
+from mpipar.mpi.comm import Comm, install_excepthook, refuse
+from mpipar.mpi.explain import say
+
+
+def layouts(n):
+    """Every (dp, tp, pp) whose product is n."""
+    return [(d, t, n // (d * t)) for d in range(1, n + 1) if n % d == 0
+            for t in range(1, n // d + 1) if (n // d) % t == 0]
+
+
+class Grid:
+    def __init__(self, dp=1, tp=1, pp=1, mpi_comm=None):
+        mpi_comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        n = mpi_comm.Get_size()
+        if dp * tp * pp != n:
+            valid = ", ".join(f"--dp {d} --tp {t} --pp {p}" for d, t, p in layouts(n))
+            refuse(f"dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp}, but the job has {n} ranks. "
+                   f"Layouts for {n} ranks: {valid}")
+        self.world = Comm(mpi_comm, "world")
+        self.dp_size, self.tp_size, self.pp_size = dp, tp, pp
+        rank = self.world.rank
+        self.dp_rank, rest = divmod(rank, pp * tp)
+        self.pp_rank, self.tp_rank = divmod(rest, tp)
+        # Split(color, key): ranks with the same color form a group, ordered by key.
+        self.tp_comm = Comm(mpi_comm.Split(self.dp_rank * pp + self.pp_rank, self.tp_rank), "tp")
+        self.pp_comm = Comm(mpi_comm.Split(self.dp_rank * tp + self.tp_rank, self.pp_rank), "pp")
+        self.dp_comm = Comm(mpi_comm.Split(self.pp_rank * tp + self.tp_rank, self.dp_rank), "dp")
+
+    @staticmethod
+    def rank_of(dp, pp, tp, sizes):
+        """World rank of coordinate (dp, pp, tp) in a grid of sizes (DP, TP, PP)."""
+        _, TP, PP = sizes
+        return dp * (PP * TP) + pp * TP + tp
+
+    def describe(self):
+        """One line per rank (gathered to rank 0): coordinate and group members."""
+        def members(comm):
+            return comm.allgather_obj(self.world.rank)
+
+        line = (f"rank {self.world.rank}: dp={self.dp_rank} tp={self.tp_rank} pp={self.pp_rank}"
+                f"   tp group {members(self.tp_comm)}   pp group {members(self.pp_comm)}"
+                f"   dp group {members(self.dp_comm)}")
+        lines = self.world.gather_obj(line)
+        return "\n".join(lines) if lines else None
+
+
+def main(argv=None):
+    install_excepthook()
+    ap = argparse.ArgumentParser(prog="python -m mpipar.mpi.grid",
+                                 description="Print the rank layout.")
+    ap.add_argument("--dp", type=int, default=None)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    args = ap.parse_args(argv)
+    for flag in ("dp", "tp", "pp"):  # 0 would divide by zero below, a negative size mislead
+        size = getattr(args, flag)
+        if size is not None and size < 1:
+            refuse(f"--{flag} must be at least 1, got {size}")
+    n = MPI.COMM_WORLD.Get_size()
+    dp = args.dp if args.dp is not None else max(n // (args.tp * args.pp), 1)
+    text = Grid(dp, args.tp, args.pp).describe()
+    if text:
+        say(text)
+
+
+if __name__ == "__main__":
+    main()

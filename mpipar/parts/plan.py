@@ -1,0 +1,148 @@
+"""Pure planning: per-layer forward FLOPs and output shapes, the balanced partition into
+stages, stage bounds, and about how much activation memory a step needs (to refuse a batch
+that cannot fit before any rank starts).
+
+The layers in :mod:`mpipar.engine.nn` know how to run forward and backward and nothing else; what a
+layer costs is read here from its parameters' shapes, one rule per layer type. The pipeline
+(:func:`plan_stages`) cuts its stages with these numbers and the cost model
+(:mod:`mpipar.tools.simulate`) prices them, so this module imports no MPI: the cost model runs on a
+laptop without one.
+
+FLOPs count a multiply-add as 2 and only the forward pass (backward is about twice that). A
+tensor-parallel layer is counted on one rank's shard: its widths come from the shapes of the
+parameters it holds (``proj.W.shape[0]`` is C for the dense attention, C/t for a rank's heads),
+so the same rules serve the dense and the parallel model.
+
+Shapes: B batch, T sequence length, C model width, V vocabulary.
+"""
+
+import math
+import os
+
+import numpy as np
+
+from mpipar.engine import nn
+
+FREE = (nn.ReLU, nn.GELU, nn.Embedding, nn.GPTEmbedding)  # elementwise or a lookup: ~0 FLOPs
+
+
+# ----------------------------------------------------------------------------- FLOPs and shapes
+def flops(layer, x_shape):
+    """Estimated forward FLOPs of one layer for an input of shape x_shape."""
+    x_shape = tuple(x_shape)
+    if isinstance(layer, nn.Linear):
+        return 2 * int(math.prod(x_shape)) * layer.W.shape[1]  # (N, d_in) @ (d_in, d_out)
+    if isinstance(layer, nn.LayerNorm):
+        return 8 * int(math.prod(x_shape))  # mean, centre, variance, scale: a few passes over x
+    if isinstance(layer, nn.CausalSelfAttention):
+        Bn, T, _ = x_shape
+        local = layer.proj.W.shape[0]  # width of the heads computed here: C, or C/t on a rank
+        core = 4 * Bn * T * T * local  # q k^T and p v: (B, H, T, D) x (B, H, D, T), twice
+        return flops(layer.qkv, x_shape) + flops(layer.proj, x_shape[:-1] + (local,)) + core
+    if isinstance(layer, nn.FeedForward):
+        return flops(layer.fc, x_shape) + flops(layer.proj, out_shape(layer.fc, x_shape))
+    if isinstance(layer, nn.Block):  # the LayerNorms keep the shape, so all four see x_shape
+        return sum(flops(m, x_shape) for m in (layer.ln1, layer.attn, layer.ln2, layer.mlp))
+    if isinstance(layer, nn.GPTHead):
+        return flops(layer.ln, x_shape) + flops(layer.out, x_shape)
+    if isinstance(layer, FREE):
+        return 0
+    raise TypeError(f"mpipar.parts.plan has no FLOP rule for {type(layer).__name__}: add one to "
+                    f"plan.flops (and to out_shape if it changes the shape)")
+
+
+def out_shape(layer, shape):
+    """The shape of a layer's output for an input of this shape."""
+    shape = tuple(shape)
+    if isinstance(layer, nn.Linear):
+        return shape[:-1] + (layer.W.shape[1],)  # (..., d_out)
+    if isinstance(layer, nn.GPTEmbedding):
+        return shape + (layer.pos.shape[1],)  # ids (B, T) -> (B, T, C)
+    if isinstance(layer, nn.GPTHead):
+        return out_shape(layer.out, shape)  # (B, T, V), or (B, T, V/t) on a rank
+    return shape  # activations, LayerNorm, attention, feed-forward, block
+
+
+def layer_flops(model, x_shape):
+    """Forward FLOPs of each layer of an nn.Sequential for an input of shape x_shape: the
+    costs a pipeline is cut by."""
+    out, shape = [], tuple(x_shape)
+    for _, layer in model.layers:
+        out.append(flops(layer, shape))
+        shape = out_shape(layer, shape)
+    return out
+
+
+# ----------------------------------------------------------------------------- stages
+def partition(costs, n_stages):
+    """Layers per stage: the contiguous cut into n_stages non-empty stages whose most expensive
+    stage is as cheap as possible; among such cuts, the one with the most even layer counts.
+
+    Two small dynamic programmes over (stages, layers), O(p n^2): the first finds the least
+    possible maximum stage cost, the second the least possible maximum layer count under it.
+    """
+    n = len(costs)
+    if not 1 <= n_stages <= n:
+        raise ValueError(f"cannot cut {n} layers into {n_stages} non-empty stages")
+    prefix = np.concatenate(([0.0], np.cumsum(np.asarray(costs, dtype=np.float64))))
+    inf = float("inf")
+
+    def solve(size):
+        """best[k][j]: least max size(i, j) over cuts of layers[:j] into k stages; choice: i."""
+        best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
+        choice = [[0] * (n + 1) for _ in range(n_stages + 1)]
+        best[0][0] = 0.0
+        for k in range(1, n_stages + 1):
+            for j in range(k, n + 1):
+                for i in range(k - 1, j):
+                    value = max(best[k - 1][i], size(i, j))
+                    if value < best[k][j]:
+                        best[k][j], choice[k][j] = value, i
+        return best, choice
+
+    best, _ = solve(lambda i, j: prefix[j] - prefix[i])
+    limit = best[n_stages][n] * (1 + 1e-12)
+    _, choice = solve(lambda i, j: (j - i) if prefix[j] - prefix[i] <= limit else inf)
+    cuts, j = [n], n
+    for k in range(n_stages, 0, -1):
+        j = choice[k][j]
+        cuts.append(j)
+    cuts = cuts[::-1]
+    return [b - a for a, b in zip(cuts[:-1], cuts[1:])]
+
+
+def stage_bounds(counts):
+    """[(first layer, end layer)] per stage from layer counts."""
+    ends = np.cumsum(counts).tolist()
+    return list(zip([0] + ends[:-1], ends))
+
+
+def plan_stages(task, n_stages, n_micro, partition_arg=None):
+    """The layer counts per stage (as ``--partition`` gives them, else balanced by FLOPs) and
+    the per-layer forward FLOPs of one micro-batch: (counts, flops). The runner has refused
+    what cannot be cut (mpipar.runner.cli.MODEL_RULES)."""
+    model = task.build_model()
+    rows = -(-task.args.batch_size // n_micro)  # the first (largest) micro-batch
+    flops = layer_flops(model, task.input_shape(rows))
+    if partition_arg:
+        return [int(v) for v in partition_arg.split(",")], flops
+    return partition(flops, n_stages), flops
+
+
+def activation_bytes(a):
+    """About how many bytes of activations one step keeps for its backward: for the GPT,
+    s b h (34 + 5 a s / h) per block (Korthikanti et al. 2022, eq. 1, counted at 2 bytes a
+    value, scaled to ours) and the logits; for the MLP, a few copies of every layer's output."""
+    w = 8 if a.dtype == "float64" else 4
+    if a.model == "mlp":
+        need = 4 * a.batch_size * sum(a.sizes) * w
+    else:
+        b, s, h = a.batch_size, a.seq_len, a.d_model
+        need = a.n_layers * s * b * h * (34 + 5 * a.n_heads * s / h) * w / 2 + 3 * b * s * 128 * w
+    a.need_gib, a.have_gib = need / 2**30, memory_bytes() / 2**30
+    return need
+
+
+def memory_bytes():
+    """This machine's memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

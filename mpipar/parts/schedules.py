@@ -1,0 +1,458 @@
+"""Pipeline schedules as plain lists of instructions, one list per stage.
+
+    python -m mpipar.pipeline --print-schedule --schedule 1f1b --stages 4 --micro-batches 4
+
+A schedule is a pure function ``schedule(n_stages, stage, n_micro) -> [Instruction, ...]``:
+what one stage does in one training step, in order. :mod:`mpipar.pipeline` executes such a
+list with MPI; this module needs no MPI at all, so a schedule can be printed, tested and
+simulated on its own (the idea of shallowspeed's instruction lists).
+
+- ``naive``: one micro-batch at a time, all the way forward and all the way back; only one
+  stage ever works. Bubble (p-1)/p.
+- ``gpipe`` (Huang et al. 2019, arXiv:1811.06965, Sec. 2.2): the forwards of all m
+  micro-batches, then their backwards (last in, first out, as in the paper's Figure 2c).
+  Bubble (p-1)/(m+p-1); every stage stashes the activations of all m micro-batches.
+- ``1f1b`` (PipeDream-Flush, Narayanan et al. 2021, arXiv:2104.04473, Sec. 2.2): stage r runs
+  min(p-r-1, m) warm-up forwards, then alternates one forward and one backward, then cools
+  down with the remaining backwards. Same bubble as GPipe, but stage r stashes at most
+  min(p-r, m) micro-batches.
+- ``interleaved`` (Narayanan et al. 2021, Sec. 2.2.2): v model chunks per stage, the model cut
+  into p*v pieces and stage r holding pieces r, r+p, ...; its instructions name their chunk
+  (``F3.1``: forward of micro-batch 3 on chunk 1). Bubble (p-1)/(v*m+p-1), v times more
+  messages; m must be a multiple of p. Called as ``interleaved(p, r, m, v)``.
+- ``zb-h1`` (Qi et al. 2024, arXiv:2401.10241, Sec. 3.1): 1F1B with each backward split into
+  B (``Backward``: the input's gradient, sent at once) and W (``BackwardWeight``: the
+  parameters' gradients, which no stage waits for), the W's held back to fill the cool-down.
+  Bubble (p-1)/(3m+p-1) when F, B and W take equal times (m >= p), a third of 1F1B's; every
+  stage stashes at most min(p, m) micro-batches (from F to W), 1F1B's first stage's count.
+
+:func:`simulate` plays all stages' lists against each other (a send is delivered at once, a
+receive waits for its send, forward costs 1 and backward 2 time units, a split backward's B
+and W 1 each), checks every message against its receive and returns each instruction's start
+and end: the tests read the happens-before order from it, and ``--print-schedule`` draws it.
+"""
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional
+
+
+# ----------------------------------------------------------------------------- instructions
+@dataclass(frozen=True)
+class Instruction:
+    micro: Optional[int] = None  # the micro-batch id (None for the optimizer step)
+    chunk: int = 0  # the model chunk the stage runs it on (interleaved 1F1B; else always 0)
+    code = "?"  # short name for printing
+    kind = "?"  # trace kind: forward, backward, send, recv, optimizer
+    part = None  # drawn in a colour of its own on a timeline (W: "weight"), else by its kind
+
+    def __str__(self):
+        if self.micro is None:
+            return self.code
+        return f"{self.code}{self.micro}" + (f".{self.chunk}" if self.chunk else "")
+
+
+class Forward(Instruction):
+    """Run the stage forward on micro-batch ``micro`` (the last stage also computes the loss)."""
+    code, kind = "F", "forward"
+
+
+class Backward(Instruction):
+    """Run the stage backward on micro-batch ``micro`` (the last stage starts from the loss);
+    in a schedule with W instructions only its input's gradient (B), keeping what W needs."""
+    code, kind = "B", "backward"
+
+
+class BackwardWeight(Instruction):
+    """W: accumulate the parameter gradients of micro-batch ``micro`` from what its B kept.
+    Backward work, so traced as such (the bubble counts it busy); drawn in its own colour."""
+    code, kind, part = "W", "backward", "weight"
+
+
+class SendAct(Instruction):
+    """Send the stage's output activation of ``micro`` to the next stage."""
+    code, kind = "SA", "send"
+
+
+class RecvAct(Instruction):
+    """Receive the input activation of ``micro`` from the previous stage."""
+    code, kind = "RA", "recv"
+
+
+class SendGrad(Instruction):
+    """Send the gradient of the stage's input of ``micro`` to the previous stage."""
+    code, kind = "SG", "send"
+
+
+class RecvGrad(Instruction):
+    """Receive the gradient of the stage's output of ``micro`` from the next stage."""
+    code, kind = "RG", "recv"
+
+
+class OptimizerStep(Instruction):
+    """Update the stage's parameters with the gradients summed over all micro-batches."""
+    code, kind = "OPT", "optimizer"
+
+
+# ----------------------------------------------------------------------------- schedules
+def _forward(n_stages, stage, k, chunk=0, n_chunks=1):
+    """Receive the input (unless the first stage's first chunk), run forward, send the output
+    (unless the last stage's last chunk)."""
+    first, last = stage == 0 and chunk == 0, stage == n_stages - 1 and chunk == n_chunks - 1
+    return ([] if first else [RecvAct(k, chunk)]) + [Forward(k, chunk)] + \
+        ([] if last else [SendAct(k, chunk)])
+
+
+def _backward(n_stages, stage, k, chunk=0, n_chunks=1):
+    """Receive the output's gradient (unless the last stage's last chunk), run backward, send
+    the input's gradient (unless the first stage's first chunk)."""
+    first, last = stage == 0 and chunk == 0, stage == n_stages - 1 and chunk == n_chunks - 1
+    return ([] if last else [RecvGrad(k, chunk)]) + [Backward(k, chunk)] + \
+        ([] if first else [SendGrad(k, chunk)])
+
+
+def _check(n_stages, stage, n_micro):
+    if n_stages < 1 or not 0 <= stage < n_stages:
+        raise ValueError(f"stage {stage} is not one of {n_stages} stages")
+    if n_micro < 1:
+        raise ValueError(f"the number of micro-batches must be positive, got {n_micro}")
+
+
+def naive(n_stages, stage, n_micro):
+    """One micro-batch at a time: forward through every stage, backward through every stage."""
+    _check(n_stages, stage, n_micro)
+    out = []
+    for k in range(n_micro):
+        out += _forward(n_stages, stage, k) + _backward(n_stages, stage, k)
+    return out + [OptimizerStep()]
+
+
+def gpipe(n_stages, stage, n_micro):
+    """All forwards, then all backwards in reverse order (GPipe, Figure 2c)."""
+    _check(n_stages, stage, n_micro)
+    out = []
+    for k in range(n_micro):
+        out += _forward(n_stages, stage, k)
+    for k in reversed(range(n_micro)):
+        out += _backward(n_stages, stage, k)
+    return out + [OptimizerStep()]
+
+
+def one_f_one_b(n_stages, stage, n_micro):
+    """Warm-up forwards, then one forward one backward, then the remaining backwards."""
+    _check(n_stages, stage, n_micro)
+    warmup = min(n_stages - stage - 1, n_micro)
+    out = []
+    for k in range(warmup):
+        out += _forward(n_stages, stage, k)
+    for i in range(n_micro - warmup):  # steady state: micro-batch warmup+i in, micro-batch i out
+        out += _forward(n_stages, stage, warmup + i) + _backward(n_stages, stage, i)
+    for k in range(n_micro - warmup, n_micro):
+        out += _backward(n_stages, stage, k)
+    return out + [OptimizerStep()]
+
+
+def interleaved(n_stages, stage, n_micro, n_chunks=2):
+    """Interleaved 1F1B: v = ``n_chunks`` model chunks per stage (Narayanan et al. 2021,
+    Sec. 2.2.2). The model is cut into p*v pieces; stage r holds pieces r, r+p, r+2p, ..., so
+    an activation goes from chunk c of stage p-1 to chunk c+1 of stage 0. Micro-batches go
+    through in groups of p: chunk 0 of the group, then chunk 1, ...; backwards in the reverse
+    chunk order. Stage r runs min((p-r-1) + (v-1)*p, v*m) warm-up chunk-forwards, then one
+    forward one backward, then cools down; with v = 1 this is 1F1B. Megatron-LM warms up
+    p-r-1 chunk-forwards more because it posts each step's sends and receives together; with
+    non-blocking sends and receives in list order these are not needed (the simulation reaches
+    the bubble without them). Bubble (p-1)/(v*m+p-1) with the costs of one chunk 1/v of the
+    stage's; stage r stashes at most min((p-r-1) + (v-1)*p + 1, v*m) chunk activations; m must be a
+    multiple of p.
+    """
+    _check(n_stages, stage, n_micro)
+    p, v = n_stages, n_chunks
+    if v < 1:
+        raise ValueError(f"the number of model chunks must be positive, got {v}")
+    if n_micro % p:
+        raise ValueError(f"interleaved 1F1B needs the micro-batches ({n_micro}) to be a "
+                         f"multiple of the stages ({p})")
+    total = n_micro * v
+
+    def unit(j, forward):
+        group, i = divmod(j, p * v)
+        chunk = i // p
+        return group * p + i % p, (chunk if forward else v - 1 - chunk)
+
+    warmup = min((p - stage - 1) + (v - 1) * p, total)
+    out = []
+    for j in range(warmup):
+        out += _forward(p, stage, *unit(j, True), v)
+    for j in range(total - warmup):
+        out += _forward(p, stage, *unit(warmup + j, True), v)
+        out += _backward(p, stage, *unit(j, False), v)
+    for j in range(total - warmup, total):
+        out += _backward(p, stage, *unit(j, False), v)
+    return out + [OptimizerStep()]
+
+
+def zb_h1(n_stages, stage, n_micro):
+    """ZB-H1 (Qi et al. 2024, arXiv:2401.10241, Sec. 3.1): 1F1B with each backward split into
+    B (the input's gradient, which the previous stage waits for) and W (the parameters'
+    gradients, which nobody waits for). Stage r runs 1F1B's min(p-r-1, m) warm-up forwards,
+    then one forward and one B, adding the W of its oldest micro-batch from the (r+1)-th
+    B on; in the cool-down each B is followed by a W; the W's still owed close the step.
+    Stage r thus holds up to r more micro-batches than in 1F1B (forward done, W not yet):
+    min(p, m) on every stage, the most 1F1B holds on its first. B's travel back one stage per
+    B, not per B+W, and the W's fill the cool-down: each stage idles (p-1)(TF+TB-TW) against
+    1F1B's (p-1)(TF+TB+TW) (m >= p, W no longer than B), a third when the three are equal.
+    """
+    _check(n_stages, stage, n_micro)
+    warmup = min(n_stages - stage - 1, n_micro)
+    out, owed = [], deque()  # micro-batches whose B ran and whose W did not
+    for k in range(warmup):
+        out += _forward(n_stages, stage, k)
+    for i in range(n_micro - warmup):  # steady state: micro-batch warmup+i in, i back
+        out += _forward(n_stages, stage, warmup + i) + _backward(n_stages, stage, i)
+        owed.append(i)
+        if i >= stage:  # the W that 1F1B would have run r steps ago
+            out.append(BackwardWeight(owed.popleft()))
+    for k in range(n_micro - warmup, n_micro):
+        out += _backward(n_stages, stage, k)
+        owed.append(k)
+        out.append(BackwardWeight(owed.popleft()))
+    return out + [BackwardWeight(k) for k in owed] + [OptimizerStep()]
+
+
+SCHEDULES = {"naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b}  # the hybrid's too
+SPLIT = {"zb-h1": zb_h1}  # B and W apart: the pipeline's own stages (not the hybrid's)
+
+CHOICES = (*SCHEDULES, "interleaved", *SPLIT)  # interleaved also takes the model chunks
+
+
+def stage_schedule(name, n_stages, stage, n_micro, n_chunks=1):
+    """One stage's instruction list; ``n_chunks`` is used by (and only by) ``interleaved``."""
+    if name not in CHOICES:
+        raise ValueError(f"unknown schedule {name!r}: choose one of {', '.join(CHOICES)}")
+    if name == "interleaved":
+        return interleaved(n_stages, stage, n_micro, n_chunks)
+    if n_chunks != 1:
+        raise ValueError(f"schedule {name} runs one model chunk per stage, not {n_chunks}")
+    return {**SCHEDULES, **SPLIT}[name](n_stages, stage, n_micro)
+
+
+def schedule(name, n_stages, n_micro, n_chunks=1):
+    """Every stage's instruction list for one step."""
+    return [stage_schedule(name, n_stages, s, n_micro, n_chunks) for s in range(n_stages)]
+
+
+def bubble_formula(n_stages, n_micro, name="gpipe", n_chunks=1):
+    """Idle share of a step with equal stages: (p-1)/(m+p-1), or (p-1)/p for naive, or
+    (p-1)/(v*m+p-1) for interleaved with v chunks. For zb-h1, F, B and W of equal times T:
+    each stage idles (p-1)(TF+TB-TW) = (p-1)T of its m(TF+TB+TW) + (p-1)T, so (p-1)/(3m+p-1)
+    for m >= p; with fewer micro-batches there are too few W's to fill the cool-down, and
+    p-m units more idle: (2p-m-1)/(2m+2p-1)."""
+    p, m = n_stages, n_micro
+    if name == "naive":
+        return (p - 1) / p
+    if name in SPLIT:
+        idle = (p - 1) + max(p - m, 0)
+        return idle / (3 * m + idle)
+    v = n_chunks if name == "interleaved" else 1
+    return (p - 1) / (v * m + p - 1)
+
+
+# ----------------------------------------------------------------------------- analysis
+def in_flight(instructions):
+    """Micro-batches whose activations a stage holds after each instruction: forward done,
+    backward not finished (its B, or its W where the schedule splits it: B frees what only B
+    needs, W the rest)."""
+    split = {(i.micro, i.chunk) for i in instructions if isinstance(i, BackwardWeight)}
+    held, out = 0, []
+    for ins in instructions:
+        done = isinstance(ins, BackwardWeight) or \
+            (isinstance(ins, Backward) and (ins.micro, ins.chunk) not in split)
+        held += isinstance(ins, Forward) - done
+        out.append(held)
+    return out
+
+
+def peak_in_flight(instructions):
+    """The most micro-batches a stage stashes at once: GPipe m, 1F1B min(p - r, m), zb-h1
+    min(p, m)."""
+    return max(in_flight(instructions), default=0)
+
+
+def peak_stash(instructions, forward_bytes, weight_bytes=0):
+    """The most bytes a stage stashes at once when a forward stashes ``forward_bytes`` for its
+    micro-batch, a B that has a W keeps ``weight_bytes`` of them (what W needs: each layer's
+    input and output gradient) until that W, and a whole backward frees them all."""
+    split = {(i.micro, i.chunk) for i in instructions if isinstance(i, BackwardWeight)}
+    held = peak = 0
+    for ins in instructions:
+        if isinstance(ins, Forward):
+            held += forward_bytes
+        elif isinstance(ins, Backward):
+            held += (weight_bytes if (ins.micro, ins.chunk) in split else 0) - forward_bytes
+        elif isinstance(ins, BackwardWeight):
+            held -= weight_bytes
+        peak = max(peak, held)
+    return peak
+
+
+class ScheduleError(Exception):
+    """A schedule that would deadlock, mismatch a message, or run an instruction too early."""
+
+
+def simulate(lists, forward_cost=1.0, backward_cost=2.0, message_cost=0.0, weight_share=0.5):
+    """Execute every stage's list against the others; return per stage [(ins, start, end)].
+
+    A send does not hold up its sender (MPI's non-blocking send); a receive waits until its
+    message has arrived, ``message_cost`` after the send, and must get the micro-batch it names.
+    Forward and backward take the given times: one number for every stage, one per stage (the
+    cost model, :mod:`mpipar.tools.simulate`, passes each stage's own), or a function (stage, micro)
+    -> time. Where a list splits a micro-batch's backward, its W takes ``weight_share`` of the
+    backward's time and its B the rest (half each: for a matrix product dx and dW cost the
+    same FLOPs, so F, B and W take equal times). With model chunks (interleaved 1F1B, v = 1 +
+    the largest chunk in the lists) the activation of chunk c goes to chunk c of the next
+    stage, and from the last stage to chunk c+1 of stage 0; gradients go the reverse way; a
+    cost is then that of one chunk. Raises :class:`ScheduleError` on a deadlock, a receive
+    matched to another micro-batch, an instruction without its input (a W before its B), or a
+    send nobody receives.
+    """
+    n = len(lists)
+    n_chunks = 1 + max((i.chunk for ins in lists for i in ins), default=0)
+    forward_cost = _per_stage(forward_cost, n)
+    backward_cost = _per_stage(backward_cost, n)
+    channels = {}  # (src, dst, what, receiving chunk) -> deque of (micro, time sent)
+    done = [[] for _ in range(n)]  # per stage: (ins, start, end)
+    clock = [0.0] * n
+    pos = [0] * n
+    state = [dict(fwd=set(), bwd=set(), wgt=set(), act=set(), grad=set()) for _ in range(n)]
+    split = [{(i.micro, i.chunk) for i in ins if isinstance(i, BackwardWeight)} for ins in lists]
+
+    def cost(costs, s, k):
+        return costs[s](s, k) if callable(costs[s]) else costs[s]
+
+    def channel(src, dst, what, chunk):
+        return channels.setdefault((src, dst, what, chunk), deque())
+
+    def neighbour(s, c, step):
+        """The (stage, chunk) that holds the model piece ``step`` pieces after (s, c)."""
+        return divmod(c * n + s + step, n)[::-1]
+
+    def step(s, ins):
+        """Run ins on stage s if it can run now; return False if it must wait."""
+        st, k, c, t = state[s], ins.micro, ins.chunk, clock[s]
+        first, last = s == 0 and c == 0, s == n - 1 and c == n_chunks - 1
+        took = 0.0
+        if isinstance(ins, (RecvAct, RecvGrad)):
+            is_act = isinstance(ins, RecvAct)
+            (src, _), what = neighbour(s, c, -1 if is_act else 1), "act" if is_act else "grad"
+            if first if is_act else last:
+                side = "previous" if is_act else "next"
+                raise ScheduleError(f"stage {s}: {ins} has no {side} stage to receive from")
+            queue = channel(src, s, what, c)
+            if not queue:
+                return False
+            got, sent_at = queue.popleft()
+            if got != k:
+                raise ScheduleError(f"stage {s}: {ins} expects the {what} of micro-batch {k} "
+                                    f"from stage {src}, but the next message is micro-batch {got}")
+            st[what].add((k, c))
+            t = max(t, sent_at)
+        elif isinstance(ins, Forward):
+            if (k, c) in st["fwd"] or (not first and (k, c) not in st["act"]):
+                raise ScheduleError(f"stage {s}: {ins} without its input activation (or twice)")
+            st["fwd"].add((k, c))
+            took = cost(forward_cost, s, k)
+        elif isinstance(ins, Backward):
+            if (k, c) in st["bwd"] or (k, c) not in st["fwd"] or \
+                    (not last and (k, c) not in st["grad"]):
+                raise ScheduleError(f"stage {s}: {ins} before its forward or its output's "
+                                    "gradient (or twice)")
+            st["bwd"].add((k, c))
+            took = cost(backward_cost, s, k) * (1 - weight_share if (k, c) in split[s] else 1)
+        elif isinstance(ins, BackwardWeight):
+            if (k, c) in st["wgt"] or (k, c) not in st["bwd"]:
+                raise ScheduleError(f"stage {s}: {ins} before its B (or twice)")
+            st["wgt"].add((k, c))
+            took = cost(backward_cost, s, k) * weight_share
+        elif isinstance(ins, (SendAct, SendGrad)):
+            is_act = isinstance(ins, SendAct)
+            (dst, dc), what = neighbour(s, c, 1 if is_act else -1), "act" if is_act else "grad"
+            need = "fwd" if is_act else "bwd"
+            if last if is_act else first:
+                side = "next" if is_act else "previous"
+                raise ScheduleError(f"stage {s}: {ins} has no {side} stage to send to")
+            if (k, c) not in st[need]:
+                raise ScheduleError(f"stage {s}: {ins} before the {need} that computes it")
+            channel(s, dst, what, dc).append((k, t + message_cost))
+        elif isinstance(ins, OptimizerStep):
+            if st["fwd"] != st["bwd"] or split[s] - st["wgt"]:
+                late = (st["fwd"] - st["bwd"]) | (split[s] - st["wgt"])
+                raise ScheduleError(f"stage {s}: optimizer step with micro-batches "
+                                    f"{sorted({k for k, _ in late})} not yet backpropagated "
+                                    "(B, or W where split)")
+        clock[s] = t + took
+        done[s].append((ins, t, t + took))
+        return True
+
+    while any(pos[s] < len(lists[s]) for s in range(n)):
+        progressed = False
+        for s in range(n):
+            while pos[s] < len(lists[s]) and step(s, lists[s][pos[s]]):
+                pos[s] += 1
+                progressed = True
+        if not progressed:
+            waiting = ", ".join(f"stage {s} at {lists[s][pos[s]]}" for s in range(n)
+                                if pos[s] < len(lists[s]))
+            raise ScheduleError(f"deadlock: every unfinished stage waits ({waiting})")
+    left = {key[:3]: list(q) for key, q in channels.items() if q}
+    if left:
+        raise ScheduleError(f"messages sent but never received: {left}")
+    return done
+
+
+def _per_stage(cost, n):
+    if callable(cost):
+        return [cost] * n
+    costs = list(cost) if hasattr(cost, "__len__") else [cost] * n
+    if len(costs) != n:
+        raise ValueError(f"{len(costs)} costs for {n} stages")
+    return costs
+
+
+def simulated_bubble(timeline):
+    """Idle share of the simulated step: 1 - busy / (stages * span of forward/backward)."""
+    spans = [(t0, t1) for events in timeline for ins, t0, t1 in events
+             if isinstance(ins, (Forward, Backward, BackwardWeight))]
+    begin, end = min(t0 for t0, _ in spans), max(t1 for _, t1 in spans)
+    return 1.0 - sum(t1 - t0 for t0, t1 in spans) / (len(timeline) * (end - begin))
+
+
+def format_schedule(name, n_stages, n_micro, n_chunks=1):
+    """Every stage's instruction list, and the simulated timeline (forward 1 unit, backward 2,
+    per chunk; a split backward B 1 and W 1: the bubble share does not depend on the unit)."""
+    lists = schedule(name, n_stages, n_micro, n_chunks)
+    timeline = simulate(lists)
+    chunked, split = name == "interleaved", name in SPLIT
+    lines = [f"schedule {name}: {n_stages} stages, {n_micro} micro-batches"
+             + (f", {n_chunks} model chunks per stage" if chunked else ""),
+             "  F/B forward/backward" + (" (B: the input's gradient only), W the weights' "
+                                         "gradient" if split else "")
+             + ", SA/RA send/receive activation, SG/RG send/receive "
+             "gradient, OPT optimizer step; the number is the micro-batch"
+             + (" (.c: on model chunk c)" if chunked else "")]
+    for s, ins in enumerate(lists):
+        lines.append(f"  stage {s} (stashes at most {peak_in_flight(ins)}): "
+                     + " ".join(map(str, ins)))
+    lines.append("simulated timeline (one cell per time unit; forward 1 unit, backward 2"
+                 + (" = B 1 + W 1" if split else "") + "):")
+    end = int(max(t1 for events in timeline for _, _, t1 in events))
+    width = 5 if chunked else 3
+    for s, events in enumerate(timeline):
+        cells = [".".rjust(width)] * end
+        for ins, t0, t1 in events:
+            label = f"{ins.code}{ins.micro}" + (f".{ins.chunk}" if chunked else "")
+            for t in range(int(t0), int(t1)):
+                cells[t] = label.rjust(width)
+        lines.append(f"  stage {s} |" + "".join(cells))
+    lines.append(f"bubble {simulated_bubble(timeline):.3f} (formula "
+                 f"{bubble_formula(n_stages, n_micro, name, n_chunks):.3f})")
+    return "\n".join(lines)

@@ -1,0 +1,362 @@
+"""Checkpoints that survive a crash and move between layouts.
+
+    mpirun -n 4 python -m mpipar.data_parallel --sync allreduce --zero 1 --optim adam \\
+        --steps 100 --checkpoint ckpt --checkpoint-every 20
+    mpirun -n 2 python -m mpipar.pipeline --model mlp --optim adam --steps 200 --resume ckpt
+
+A checkpoint holds everything needed to continue exactly: every parameter, the optimizer's
+state (SGD's momentum, Adam's two moments and its step count), the number of steps done (the
+batches are a function of (seed, step) alone, so the seed, the batch size and the step decide
+all the batches to come), and the layout it was written from, for the record.
+
+The format does not depend on the layout. Every array is stored as pieces of the serial
+model's tensors: canonical name, kind (``param``, ``momentum``, ``adam_m``, ``adam_v``), the
+full logical shape, and which part of it the piece is (all of it; a tensor-parallel shard's
+index ranges along one axis; a ZeRO shard's run of the flattened tensor). Each rank writes only
+what it owns (its shards, its stage; a replicated tensor by one replica only) into its own file;
+world rank 0 writes ``manifest.json``, which lists every piece and every file's SHA-256. To load,
+each rank assembles the tensors it needs from the pieces and takes its own part of them, so a
+run may resume on any layout: ZeRO-1 on 4 ranks, then a pipeline on 2, then tensor parallel.
+
+Writes are atomic: a checkpoint is written into ``DIR/.tmp-step-N``, every file is flushed to
+disk, and only when every rank has finished does rank 0 rename it ``DIR/step-N``; the previous
+checkpoint stays valid until then, and the last ``--keep`` are kept. Loading refuses, on every
+rank with exit code 2, a missing or corrupt file, a piece that does not cover its tensor, and a
+model, dtype, optimizer, seed or batch size other than the run's.
+
+All ranks must see the same directory (one machine, or a shared file system).
+"""
+
+import hashlib
+import json
+import os
+import shutil
+from collections import namedtuple
+
+import numpy as np
+from mpi4py import MPI
+
+from mpipar.engine import backend as B
+from mpipar.mpi import comm
+
+FORMAT = 1
+# name: canonical name; kind: "param" or an optimizer state; shape: the full logical shape;
+# select: ["all"] | ["axis", axis, [[a, b], ...]] | ["flat", a, b]; array: this rank's live
+# array (loading writes into it); write: whether this rank saves it.
+Slot = namedtuple("Slot", "name kind shape select array write")
+STATE_KINDS = {"SGD": ("momentum",), "Adam": ("adam_m", "adam_v")}
+
+
+# ----------------------------------------------------------------------------- what a rank owns
+def _part(p):
+    """(full shape, selection) of a parameter: a tensor-parallel shard or the whole tensor."""
+    if hasattr(p, "full_shape"):
+        return list(p.full_shape), ["axis", p.axis, [list(r) for r in p.ranges[p.rank]]]
+    return list(p.shape), ["all"]
+
+
+def _state(opt, p):
+    """The optimizer's arrays for p, made now if no step has made them yet."""
+    if p not in opt.state:
+        opt.state[p] = opt.new_state(p)
+    return opt.state[p]
+
+
+def slots(params, opt, writes, part=_part):
+    """Slots of these parameters and, with an optimizer, of their state; ``writes(p)``: does
+    this rank save p (and its state)."""
+    out = []
+    for p in params:
+        shape, select = part(p)
+        out.append(Slot(p.name, "param", shape, select, p.data, writes(p)))
+        if opt is not None:
+            kinds = STATE_KINDS[type(opt).__name__]
+            out += [Slot(p.name, kind, shape, select, a, writes(p))
+                    for kind, a in zip(kinds, _state(opt, p))]
+    return out
+
+
+def zero_slots(zopt):
+    """ZeRO-1: this rank's flat shard (its parameters' values and its optimizer state) as runs
+    of the flattened parameters it covers. The values are written by the replicas' rank 0 as
+    whole tensors, so only the state is written here."""
+    lo, out = zopt.comm.rank * zopt.shard_size, []
+    kinds = STATE_KINDS[type(zopt.opt).__name__]
+    arrays = [("param", zopt.shard.data, False)] + \
+        [(k, a, True) for k, a in zip(kinds, _state(zopt.opt, zopt.shard))]
+    for p, start in zip(zopt.params, comm.offsets([p.size for p in zopt.params])):
+        a, b = max(lo, start) - start, min(lo + zopt.shard_size, start + p.size) - start
+        if a < b:  # this parameter's entries a..b are in the shard
+            out += [Slot(p.name, kind, list(p.shape), ["flat", a, b],
+                         arr[start + a - lo:start + b - lo], write)
+                    for kind, arr, write in arrays]
+    return out
+
+
+def flat_shard_slots(trainer, write_values):
+    """ZeRO-2 and ZeRO-3: :func:`zero_slots` of each of the trainer's flat buffers (a bucket, a
+    layer: ``trainer.groups``), all under its one optimizer. ``write_values``: this rank also
+    saves its shard's parameter values (ZeRO-3, where no rank holds them whole)."""
+    from types import SimpleNamespace
+
+    out = []
+    for g in trainer.groups:
+        zopt = SimpleNamespace(comm=g.comm, params=g.params, shard_size=g.shard_size,
+                               shard=g.shard, opt=trainer.opt)
+        out += [s._replace(write=write_values) if s.kind == "param" else s
+                for s in zero_slots(zopt)]
+    return out
+
+
+def slots_of(trainer):
+    """Every slot of this rank, for the trainer's scheme and variant."""
+    kind, rank = type(trainer).__name__, MPI.COMM_WORLD.Get_rank()
+    if kind in ("Serial", "Pipeline"):
+        return slots(trainer.opt.params, trainer.opt, lambda p: True)
+    if kind in ("MasterScheme", "AllreduceScheme"):
+        return slots(trainer.params, trainer.opt, lambda p: trainer.rank == 0)
+    if kind == "ZeroScheme":
+        return slots(trainer.params, None, lambda p: trainer.rank == 0) + zero_slots(trainer.opt)
+    if kind == "Zero2Scheme":  # whole replicas, sharded gradients and state
+        return slots(trainer.params, None, lambda p: trainer.rank == 0) + \
+            flat_shard_slots(trainer, write_values=False)
+    if kind == "Zero3Scheme":  # the shards are the only copy of the parameters
+        return flat_shard_slots(trainer, write_values=True)
+    if kind == "TensorParallel":
+        t, update = trainer.comm.rank, trainer.updater
+        writes = lambda p: hasattr(p, "full_shape") or t == 0  # noqa: E731
+        if not hasattr(update, "master"):  # Megatron's local update
+            return slots(trainer.model.parameters(), update.opt, writes)
+        out = slots(trainer.model.parameters(), None, writes)
+        if update.master is not None:  # the seed's master: full tensors and the optimizer
+            out += slots(update.master, update.opt, lambda p: True)
+        return out
+    if kind == "Hybrid":
+        g = trainer.grid
+        writes = lambda p: g.dp_rank == 0 and (hasattr(p, "full_shape") or g.tp_rank == 0)  # noqa
+        return slots(trainer.stage.parameters(), trainer.update.local.opt, writes)
+    raise TypeError(f"no checkpoint layout for {kind} (rank {rank})")
+
+
+def optimizers_of(trainer):
+    """The optimizer objects of this rank (for Adam's step count)."""
+    found = [getattr(trainer, "opt", None), getattr(getattr(trainer, "opt", None), "opt", None),
+             getattr(getattr(trainer, "updater", None), "opt", None)]
+    if hasattr(trainer, "update"):
+        found.append(trainer.update.local.opt)
+    return [o for o in found if o is not None and hasattr(o, "state")]
+
+
+# ----------------------------------------------------------------------------- writing
+def save_params(path, named_arrays):
+    """Write {canonical name: array} to an .npz file (plain arrays, no pickle), atomically:
+    into a temporary file, flushed to disk, then renamed over ``path``, so a kill during the
+    write leaves the previous file whole. Returns the path written (".npz" added if absent)."""
+    path = path if path.endswith(".npz") else path + ".npz"  # as np.savez names it
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, **{name: B.to_numpy(a) for name, a in named_arrays})
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):  # the write failed: the previous file is untouched
+            os.remove(tmp)
+    return path
+
+
+def load_params(path):
+    with np.load(path, allow_pickle=False) as f:
+        return {k: f[k] for k in f.files}
+
+
+def model_config(a):
+    """What must match for a checkpoint to continue this run exactly."""
+    shape = {"sizes": a.sizes, "data": a.data, "samples": a.samples} if a.model == "mlp" else \
+        {k: getattr(a, k) for k in ("d_model", "n_heads", "n_layers", "seq_len")}
+    return dict(model=a.model, **shape, dtype=a.dtype, optim=a.optim, seed=a.seed,
+                batch_size=a.batch_size)
+
+
+def _fsynced(path, write):
+    """Write a file through ``write(f)``, flush it to disk, return its SHA-256."""
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    return _sha256(path)
+
+
+def _sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _sync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save(directory, trainer, a, steps_done, loss):
+    """Write a checkpoint of the run after ``steps_done`` steps into ``directory`` (every rank
+    calls this). Returns the checkpoint's path."""
+    world = MPI.COMM_WORLD
+    rank = world.Get_rank()
+    final = os.path.join(directory, f"step-{steps_done:08d}")
+    tmp = os.path.join(directory, f".tmp-step-{steps_done:08d}")
+    if rank == 0:
+        for name in os.listdir(directory):  # what a killed run left behind
+            if name.startswith(".tmp-step-"):
+                shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+        os.makedirs(tmp)
+    world.barrier()
+    mine = [s for s in slots_of(trainer) if s.write]
+    name = f"rank-{rank:05d}.npz"
+    arrays = {f"a{i}": B.to_numpy(s.array) for i, s in enumerate(mine)}
+    digest = _fsynced(os.path.join(tmp, name), lambda f: np.savez(f, **arrays))
+    pieces = [dict(name=s.name, kind=s.kind, shape=s.shape, select=s.select, file=name,
+                   key=f"a{i}") for i, s in enumerate(mine)]
+    t = [o.t for o in optimizers_of(trainer) if hasattr(o, "t")]
+    gathered = world.gather((name, digest, pieces, t), root=0)  # small metadata: no arrays
+    if rank == 0:
+        manifest = dict(format=FORMAT, step=steps_done, loss=loss, config=model_config(a),
+                        layout=dict(scheme=a.scheme, dp=a.dp, tp=a.tp, pp=a.pp, ranks=world.size),
+                        adam_t=max((x for *_, ts in gathered for x in ts), default=None),
+                        files={f: d for f, d, _, _ in gathered},
+                        pieces=[piece for _, _, ps, _ in gathered for piece in ps])
+        text = json.dumps(manifest, indent=1).encode()
+        _fsynced(os.path.join(tmp, "manifest.json"), lambda f: f.write(text))
+        _sync_dir(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)  # the checkpoint exists from here on, whole
+        _sync_dir(directory)
+        for old in sorted(checkpoints(directory))[:-max(a.keep, 1)]:
+            shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
+    world.barrier()
+    return final
+
+
+def checkpoints(directory):
+    """The complete checkpoints in a directory (those with a manifest), oldest first."""
+    names = [n for n in os.listdir(directory) if n.startswith("step-")]
+    return sorted(n for n in names if os.path.exists(os.path.join(directory, n,
+                                                                   "manifest.json")))
+
+
+# ----------------------------------------------------------------------------- reading
+def find(path):
+    """The checkpoint that ``--resume PATH`` names: PATH itself if it holds a manifest, else
+    the newest complete checkpoint in it; None if there is none."""
+    if os.path.exists(os.path.join(path, "manifest.json")):
+        return path
+    found = checkpoints(path) if os.path.isdir(path) else []
+    return os.path.join(path, found[-1]) if found else None
+
+
+def inspect(path, a):
+    """(manifest, None), or (None, why this run cannot resume from ``path``). One rank reads
+    every file once to check its SHA-256; the others wait for its verdict."""
+    where = find(path)
+    if where is None:
+        return None, f"--resume {path}: no checkpoint there (no manifest.json, no step-*/ with one)"
+    try:
+        with open(os.path.join(where, "manifest.json")) as f:
+            manifest = json.load(f)
+        config, step = manifest["config"], manifest["step"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return None, f"--resume {where}: the manifest is unreadable ({err})"
+    want = model_config(a)
+    differ = [f"{k} {config.get(k)} (this run: {want.get(k)})" for k in sorted(want)
+              if config.get(k) != want.get(k)]
+    if manifest.get("format") != FORMAT or differ:
+        return None, (f"--resume {where}: the checkpoint does not fit this run: "
+                      + ", ".join(differ or [f"format {manifest.get('format')}"]))
+    if step > a.steps:
+        return None, f"--resume {where}: the checkpoint is at step {step}, beyond --steps {a.steps}"
+    for name, digest in manifest["files"].items():
+        path = os.path.join(where, name)
+        if not os.path.exists(path):
+            return None, f"--resume {where}: {name} is missing (a rank's shard)"
+        if _sha256(path) != digest:
+            return None, f"--resume {where}: {name} is truncated or corrupt (SHA-256 differs)"
+    manifest["where"] = where
+    return manifest, None
+
+
+def _at(axis, sl):
+    return (slice(None),) * axis + (sl,)
+
+
+def put(full, seen, select, value):
+    """Write one piece into the full tensor and mark what it covers."""
+    if select[0] == "all":
+        full[...], seen[...] = value, True
+    elif select[0] == "flat":
+        full.reshape(-1)[select[1]:select[2]] = value.reshape(-1)
+        seen.reshape(-1)[select[1]:select[2]] = True
+    else:
+        axis, ranges = select[1], select[2]
+        for (a, b), off in zip(ranges, comm.offsets([b - a for a, b in ranges])):
+            full[_at(axis, slice(a, b))] = value[_at(axis, slice(off, off + b - a))]
+            seen[_at(axis, slice(a, b))] = True
+
+
+def take(full, select):
+    """This rank's part of a full tensor (the inverse of :func:`put`)."""
+    if select[0] == "all":
+        return full
+    if select[0] == "flat":
+        return full.reshape(-1)[select[1]:select[2]]
+    return np.concatenate([full[_at(select[1], slice(a, b))] for a, b in select[2]], select[1])
+
+
+def assemble(where, pieces, shape, files, key):
+    """The full tensor ``key`` = (name, kind) from its pieces, every entry covered."""
+    if not pieces:
+        raise ValueError(f"--resume {where}: the checkpoint has no {key[1]} of {key[0]}")
+    full, seen = None, np.zeros(shape, dtype=bool)
+    for piece in pieces:
+        if piece["file"] not in files:
+            files[piece["file"]] = np.load(os.path.join(where, piece["file"]), allow_pickle=False)
+        value = files[piece["file"]][piece["key"]]
+        full = np.empty(shape, dtype=value.dtype) if full is None else full
+        put(full, seen, piece["select"], value)
+    if not seen.all():
+        raise ValueError(f"--resume {where}: the pieces of {key[0]} ({key[1]}) leave "
+                         f"{int((~seen).sum())} of its {seen.size} entries out: a shard is missing")
+    return full
+
+
+def load(path, trainer, a):
+    """Fill this rank's parameters and optimizer state from the checkpoint ``path`` names
+    (every rank calls this); returns (steps done, the last loss). Refuses on every rank."""
+    world = MPI.COMM_WORLD
+    manifest, problem = inspect(path, a) if world.Get_rank() == 0 else (None, None)
+    manifest, problem = world.bcast((manifest, problem), root=0)  # small metadata
+    if problem:
+        comm.refuse(problem)
+    by_key, files, fulls = {}, {}, {}
+    for piece in manifest["pieces"]:
+        by_key.setdefault((piece["name"], piece["kind"]), []).append(piece)
+    try:
+        for s in slots_of(trainer):
+            key = (s.name, s.kind)
+            if key not in fulls:
+                fulls[key] = assemble(manifest["where"], by_key.get(key), s.shape, files, key)
+            s.array[...] = B.asarray(take(fulls[key], s.select)).reshape(s.array.shape)
+    except ValueError as err:
+        problem = str(err)
+    problems = [p for p in world.allgather(problem) if p]
+    if problems:
+        comm.refuse(problems[0])
+    for o in optimizers_of(trainer):
+        if hasattr(o, "t") and manifest["adam_t"] is not None:
+            o.t = manifest["adam_t"]
+    return manifest["step"], manifest["loss"]

@@ -1,0 +1,350 @@
+"""The command line of every scheme: the flags, their defaults, and the refusals as data.
+
+Every trainer shares the flags of :func:`common_flags`; each scheme adds its own
+(:func:`scheme_flags`). Bad input is refused by two tables of (schemes, condition, message),
+checked in order on every rank: :data:`FLAG_RULES` on the flags alone, :data:`MODEL_RULES`
+once the model is known. The first rule that holds ends the job with one message (from world
+rank 0) and exit code 2 on every rank (:func:`mpipar.mpi.comm.refuse`), never a traceback.
+"""
+
+import argparse
+import math
+
+from mpi4py import MPI
+
+from mpipar import serial
+from mpipar.engine import backend as B
+from mpipar.mpi import comm
+from mpipar.parts.plan import activation_bytes, memory_bytes
+from mpipar.parts.schedules import CHOICES, SCHEDULES, SPLIT
+from mpipar.parts.tp_models import tp_size_problem
+
+SCHEMES = ("serial", "data_parallel", "tensor_parallel", "pipeline", "hybrid")
+DEFAULT_TIMELINE = "pipeline-timeline.png"
+
+
+# ----------------------------------------------------------------------------- flags
+def common_flags(ap, scheme):
+    """The flags every trainer shares. Per-model defaults (steps, batch, lr, optimizer) are
+    filled in after parsing (serial.DEFAULTS), so ``--help`` names them per model."""
+    deep = scheme in ("pipeline", "hybrid")  # the GPT by default where stages need layers
+    g = ap.add_argument_group("training (shared by every scheme)")
+    g.add_argument("--model", choices=["mlp", "gpt"], default="gpt" if deep else "mlp",
+                   help="mlp: MLP on 8x8 digits; gpt: character-level GPT on text (default "
+                        f"{'gpt' if deep else 'mlp'})")
+    g.add_argument("--steps", type=int, help="optimizer steps (mlp 300, gpt 250)")
+    g.add_argument("--batch-size", type=int, help="global batch size (mlp 64, gpt 32)")
+    g.add_argument("--lr", type=float, help="learning rate (mlp 0.05, gpt 3e-3)")
+    g.add_argument("--optim", choices=["sgd", "adam", "adamw"], help="mlp: sgd, gpt: adam")
+    g.add_argument("--seed", type=int, default=0, help="seeds the weights and the batches")
+    g.add_argument("--dtype", choices=["float32", "float64"], default="float32",
+                   help="float64 for exact comparisons between schemes")
+    g.add_argument("--backend", choices=["numpy", "cupy"], default="numpy")
+    g.add_argument("--save-params", metavar="FILE.npz",
+                   help="write the trained parameters under their canonical names")
+    g.add_argument("--log-every", type=int, default=0, help="print the loss every N steps")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    g.add_argument("--clip-grad", type=float, metavar="X",
+                   help="scale the gradients to a global norm of at most X before each update")
+    g.add_argument("--recompute", nargs="?", const="full", choices=["full", "selective"],
+                   help="full: keep only each layer's (stage's) input, run its forward again in "
+                        "the backward; selective: only attention's softmax part (GPT)")
+    g.add_argument("--memory", action="store_true",
+                   help="after training, print every rank's bytes by kind, counted from its arrays")
+    c = ap.add_argument_group("checkpoints and failures")
+    c.add_argument("--checkpoint", metavar="DIR",
+                   help="write a checkpoint into DIR at the end (and every --checkpoint-every)")
+    c.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+                   help="also write one every K steps (default 0: only at the end)")
+    c.add_argument("--keep", type=int, default=2, metavar="N",
+                   help="checkpoints kept in DIR (default 2)")
+    c.add_argument("--resume", metavar="DIR",
+                   help="continue from DIR's newest checkpoint, written by any scheme and layout")
+    c.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                   help="end the job when a rank waits more than S seconds in one MPI call, "
+                        "naming the call (default 600; 0: never)")
+    if scheme != "serial":
+        g.add_argument("--explain", action="store_true",
+                       help="narrate the first step: each seed step and each MPI call, every rank")
+    m = ap.add_argument_group("model sizes and data")
+    m.add_argument("--data", choices=["digits", "synthetic"], default="digits",
+                   help="the MLP's data: the 8x8 digits (64 features, 10 classes), or synthetic "
+                        "rows of any width, classes from a fixed random teacher (default digits)")
+    m.add_argument("--samples", type=int, default=4096,
+                   help="rows of the synthetic data set (default 4096)")
+    m.add_argument("--sizes", type=lambda s: [int(v) for v in s.split(",")],
+                   default=[64, 128, 64, 10], help="MLP widths (default 64,128,64,10)")
+    m.add_argument("--d-model", type=int, default=64, help="GPT width (default 64)")
+    m.add_argument("--n-heads", type=int, default=4, help="GPT attention heads (default 4)")
+    m.add_argument("--n-layers", type=int, default=4 if scheme == "pipeline" else 2,
+                   help="GPT blocks (default " + ("4 here: about one per stage)"
+                                                  if scheme == "pipeline" else "2)"))
+    m.add_argument("--seq-len", type=int, default=32, help="GPT context length (default 32)")
+
+
+def bucket_flags(g):
+    g.add_argument("--bucket-mb", type=float, default=None,
+                   help="gradient buckets of about X MiB, reverse layer order (default: one "
+                        "bucket; 25 with --overlap, as PyTorch DDP)")
+    g.add_argument("--overlap", action="store_true",
+                   help="start each bucket's Iallreduce during the last backward")
+
+
+def sequence_flag(g):
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="GPT: also split the LayerNorm regions along the sequence over the tp "
+                        "ranks (reduce-scatter + allgather in place of each Allreduce)")
+
+
+def pipeline_flags(g, schedules, micro_help):
+    g.add_argument("--schedule", default="1f1b", metavar="{" + ",".join(schedules) + "}",
+                   help=f"{', '.join(schedules)} (default 1f1b)")
+    g.add_argument("--micro-batches", type=int, metavar="M", help=micro_help)
+    g.add_argument("--partition", metavar="N,N,...",
+                   help="layers per stage by hand, e.g. 2,1,1 (default: balance the FLOPs)")
+
+
+def scheme_flags(ap, scheme):
+    if scheme == "data_parallel":
+        g = ap.add_argument_group("data parallelism")
+        g.add_argument("--sync", default="master", choices=["master", "allreduce", "ring"],
+                       help="master: the seed's Reduce + Bcast through rank 0 (default); "
+                            "allreduce: MPI Allreduce; ring: a ring allreduce from Sendrecv")
+        bucket_flags(g)
+        g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
+                       help="shard over the ranks (ZeRO): 1 the optimizer state, 2 also the "
+                            "gradients (in --bucket-mb buckets, --overlap), 3 also the "
+                            "parameters, layer by layer (as FSDP; --overlap prefetches)")
+        g.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps")
+    elif scheme == "tensor_parallel":
+        ap.add_argument("--update", choices=["local", "master"], default="local",
+                        help="local: each rank updates its shards (Megatron); master: rank 0 "
+                             "gathers the gradients, updates, scatters the shards (the seed)")
+        sequence_flag(ap)
+    elif scheme == "pipeline":
+        g = ap.add_argument_group("pipeline")
+        pipeline_flags(g, CHOICES, "micro-batches per step (default 4)")
+        g.add_argument("--chunks", type=int, metavar="V",
+                       help="model chunks per rank for --schedule interleaved (default 2; the "
+                            "model is cut into P*V pieces)")
+        g.add_argument("--timeline", default=DEFAULT_TIMELINE, metavar="FILE.png",
+                       help="Gantt chart of a real step's trace, the median step by duration "
+                            f"(default {DEFAULT_TIMELINE}; 'none' for no chart)")
+        g.add_argument("--print-schedule", action="store_true",
+                       help="print every stage's instruction list and exit (no MPI ranks needed)")
+        g.add_argument("--stages", type=int, default=4,
+                       help="number of stages for --print-schedule (default 4)")
+    elif scheme == "hybrid":
+        g = ap.add_argument_group("the process grid")
+        g.add_argument("--dp", type=int, help="data-parallel replicas (default: N // (tp*pp))")
+        g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage (1)")
+        g.add_argument("--pp", type=int, default=1, help="pipeline stages (1)")
+        g.add_argument("--print-grid", action="store_true",
+                       help="print every rank's (dp, tp, pp) coordinate and groups, then exit")
+        sequence_flag(g)
+        pipeline_flags(ap.add_argument_group("pipeline"), list(SCHEDULES),
+                       "micro-batches per replica and step (default: 4, or fewer if a replica "
+                       "has fewer rows)")
+        bucket_flags(g := ap.add_argument_group("gradient sum over the data-parallel group"))
+        g.add_argument("--zero", type=int, default=0, choices=range(4),
+                       help="shard over dp (ZeRO): 1 the optimizer state, 2 also the gradients")
+
+
+PROGS = {"serial": "Train the reference model on one process.",  # each scheme's --help line
+         "data_parallel": "Train with P data-parallel replicas.",
+         "tensor_parallel": "Train with every large matrix split over P ranks.",
+         "pipeline": "Train across P pipeline stages (one per rank).",
+         "hybrid": "Train with data x tensor x pipeline parallelism on N = dp*tp*pp ranks."}
+
+
+# ----------------------------------------------------------------------------- refusals
+def layer_names(task):
+    return [name for name, _ in task.build_model().layers]
+
+
+def _bad_partition(a, n_pieces, task):
+    try:
+        counts = [int(v) for v in a.partition.split(",")]
+    except ValueError:
+        return f"--partition {a.partition!r}: expected layer counts like 2,1,1"
+    names = layer_names(task)
+    if len(counts) != n_pieces or min(counts) < 1 or sum(counts) != len(names):
+        return (f"--partition {a.partition}: need {n_pieces} positive layer counts (one per "
+                f"stage, or per piece, stages x chunks, when interleaved) summing to "
+                f"{len(names)}, the model's layers: {', '.join(names)}")
+    return None
+
+
+ALL, DP, TP, PP, HY = SCHEMES, ("data_parallel",), ("tensor_parallel",), ("pipeline",), ("hybrid",)
+# (schemes, condition(a), message): checked in order on the flags alone; the first that holds
+# is refused. ``a.n`` is the number of ranks, ``a.stages`` the pipeline's.
+FLAG_RULES = [
+    (("serial",), lambda a: a.n > 1,
+     "the serial trainer is one process, but this job has {a.n} ranks: run it without mpirun "
+     "(each copy would train alone and write the same files)"),
+    (ALL, lambda a: a.steps <= 0, "--steps must be positive, got {a.steps}"),
+    (ALL, lambda a: a.batch_size <= 0, "--batch-size must be positive, got {a.batch_size}"),
+    (ALL, lambda a: not 0 < a.lr < math.inf, "--lr must be positive and finite, got {a.lr}"),
+    (ALL, lambda a: a.seed < 0, "--seed must be 0 or more, got {a.seed}"),
+    (ALL, lambda a: a.log_every < 0, "--log-every must be 0 (never) or more, got {a.log_every}"),
+    (ALL, lambda a: a.model == "mlp" and min(a.sizes) < 1,
+     "every --sizes entry must be positive, got {a.sizes}"),
+    (ALL, lambda a: a.model == "mlp" and a.data == "digits" and (a.sizes[0] != 64
+                                                                  or a.sizes[-1] != 10),
+     "--sizes must start with 64 (pixels) and end with 10 (classes) for the digits, got "
+     "{a.sizes} (--data synthetic takes any widths)"),
+    (ALL, lambda a: a.model == "mlp" and a.data == "synthetic" and (a.samples < 10
+                                                                    or a.sizes[-1] < 2),
+     "--data synthetic needs --samples of at least 10 and 2 classes or more (the last --sizes "
+     "entry), got --samples {a.samples}, --sizes {a.sizes}"),
+    (ALL, lambda a: a.model != "mlp" and a.data != "digits",
+     "--data {a.data} is for the MLP: the GPT trains on its text"),
+    (ALL, lambda a: a.model == "gpt" and min(a.d_model, a.n_heads, a.n_layers, a.seq_len) < 1,
+     "--d-model, --n-heads, --n-layers and --seq-len must be positive, got {a.d_model}, "
+     "{a.n_heads}, {a.n_layers}, {a.seq_len}"),
+    (ALL, lambda a: activation_bytes(a) > memory_bytes(),
+     "--batch-size {a.batch_size} would need about {a.need_gib:.1f} GiB of activations in one "
+     "step, more than this machine's {a.have_gib:.1f} GiB: use a smaller batch or model"),
+    (ALL, lambda a: a.checkpoint_every < 0 or (a.checkpoint_every and not a.checkpoint),
+     "--checkpoint-every {a.checkpoint_every} needs --checkpoint DIR and a count of 0 or more"),
+    (ALL, lambda a: a.keep < 1, "--keep must be at least 1, got {a.keep}"),
+    (ALL, lambda a: a.clip_grad is not None and not 0 < a.clip_grad < math.inf,
+     "--clip-grad must be a positive finite norm, got {a.clip_grad}"),
+    (DP, lambda a: a.recompute,
+     "--recompute is for the serial, tensor-parallel, pipeline and hybrid trainers (a "
+     "data-parallel replica can hold less with --micro-batches or --zero 3)"),
+    (ALL, lambda a: not 0 <= a.timeout < math.inf,
+     "--timeout must be 0 (never) or a positive number of seconds, got {a.timeout}"),
+    (ALL, lambda a: a.model == "gpt" and a.d_model % a.n_heads,
+     "--d-model {a.d_model} is not divisible by --n-heads {a.n_heads}"),
+    (HY, lambda a: a.dp is not None and a.dp < 1, "--dp must be at least 1, got {a.dp}"),
+    (HY, lambda a: a.tp < 1, "--tp must be at least 1, got {a.tp}"),
+    (HY, lambda a: a.pp < 1, "--pp must be at least 1, got {a.pp}"),
+    (TP + HY, lambda a: a.sequence_parallel and a.model != "gpt",
+     "--sequence-parallel splits the GPT's sequence, and the MLP has none: use --model gpt"),
+    (TP + HY, lambda a: a.sequence_parallel and a.model == "gpt" and a.seq_len % a.tp,
+     "--sequence-parallel splits each sequence over the {a.tp} tensor-parallel ranks, but "
+     "--seq-len {a.seq_len} is not divisible by {a.tp}: use a multiple of {a.tp}"),
+    (DP + PP + HY, lambda a: a.micro_batches < 1,
+     "--micro-batches must be positive, got {a.micro_batches}"),
+    (DP + HY, lambda a: a.batch_size < a.replicas * a.micro_batches,
+     "the global batch of {a.batch_size} rows cannot be split over {a.replicas} {a.replica} x "
+     "{a.micro_batches} micro-batch(es): every {a.one_replica} needs at least one row per "
+     "micro-batch (use --batch-size >= {a.rows_needed}, or fewer {a.replica} or micro-batches)"),
+    (DP, lambda a: a.zero and a.sync != "allreduce",
+     "--zero {a.zero} shards the update over every rank with MPI's Reduce_scatter and "
+     "Allgather, which --sync {a.sync} does not use: use --sync allreduce --zero {a.zero}"),
+    (DP + HY, lambda a: a.bucket_mb is not None and a.zero in (1, 3) or a.overlap and a.zero == 1,
+     "--zero {a.zero} takes no --bucket-mb, and --zero 1 no --overlap: ZeRO-1 moves one flat "
+     "buffer, ZeRO-3 one per layer (--overlap prefetches); buckets are ZeRO-2's: use --zero 2"),
+    (HY, lambda a: a.zero == 3, "--zero 3 is not in the hybrid: it would gather a stage's "
+     "parameters for every micro-batch's forward and backward (use data_parallel, or --zero 2)"),
+    (HY, lambda a: a.zero == 2 and a.overlap and a.sequence_parallel, "--zero 2 --overlap takes "
+     "no --sequence-parallel: its tp sum of LayerNorm gradients must precede the reduce-scatter"),
+    (HY, lambda a: a.zero and (a.clip_grad is not None or a.checkpoint or a.resume),
+     "--zero {a.zero} in the hybrid takes no --clip-grad, --checkpoint or --resume: they read "
+     "each rank's whole optimizer, and ZeRO-{a.zero} keeps 1/D of it"),
+    (DP, lambda a: a.overlap and a.sync != "allreduce",
+     "--overlap needs the non-blocking Iallreduce of --sync allreduce (got --sync {a.sync})"),
+    (DP, lambda a: a.bucket_mb is not None and (not 0 < a.bucket_mb < math.inf or a.sync ==
+     "master"), "--bucket-mb must be positive and needs --sync allreduce or ring (got "
+     "{a.bucket_mb} with --sync {a.sync})"),
+    (HY, lambda a: a.bucket_mb is not None and not 0 < a.bucket_mb < math.inf,
+     "--bucket-mb must be positive, got {a.bucket_mb}"),
+    (PP, lambda a: a.schedule not in CHOICES,
+     "unknown --schedule {a.schedule!r}: choose one of " + ", ".join(CHOICES)),
+    (HY, lambda a: a.schedule not in SCHEDULES, "the hybrid runs --schedule " + ", ".join(
+        SCHEDULES) + ", not {a.schedule!r}: its stages hold one model chunk (interleaved needs "
+     "several) and its --overlap hooks each micro-batch's whole backward (zb-h1 splits it)"),
+    (PP, lambda a: a.schedule != "interleaved" and a.chunks != 1,
+     "--chunks {a.chunks} needs --schedule interleaved ({a.schedule} runs one model chunk "
+     "per rank)"),
+    (PP, lambda a: a.chunks <= 0, "--chunks must be positive, got {a.chunks}"),
+    (PP, lambda a: a.schedule in SPLIT and a.recompute == "full",
+     "--schedule {a.schedule} runs each backward as B and W apart, but --recompute runs a "
+     "stage's backward whole (recompute.Recomputed does not split it): every W would be "
+     "empty and fill no bubble; drop one of the two"),
+    (PP, lambda a: a.stages <= 0, "--stages must be positive, got {a.stages}"),
+    (PP, lambda a: a.micro_batches > a.batch_size,
+     "--micro-batches {a.micro_batches} exceeds --batch-size {a.batch_size}: a micro-batch "
+     "would be empty"),
+    (PP, lambda a: a.chunks > 1 and a.micro_batches % a.stages,
+     "--schedule interleaved needs --micro-batches ({a.micro_batches}) to be a multiple of the "
+     "stages ({a.stages})"),
+]
+# (schemes, problem(a, task)): checked after the flags, with the model built; a problem is
+# its own message (a sentence), no problem is None.
+MODEL_RULES = [
+    (ALL, lambda a, task: a.model == "mlp" and a.batch_size > len(task.data.y_train) and (
+        f"--batch-size {a.batch_size} is more than the {len(task.data.y_train)} training rows "
+        f"of the {a.data} data: a batch would repeat rows")),
+    (TP + HY, lambda a, task: tp_size_problem(a, a.tp, task.data.vocab if a.model == "gpt"
+                                               else None)),
+    (PP + HY, lambda a, task: a.partition and _bad_partition(a, a.stages * a.chunks, task)),
+    (PP, lambda a, task: a.chunks > 1 and a.stages * a.chunks > len(layer_names(task)) and (
+        f"{a.stages} stages x {a.chunks} chunks = {a.stages * a.chunks} model pieces but the "
+        f"{a.model} model has only {len(layer_names(task))} layers: use fewer --chunks or ranks "
+        "(or a deeper model)")),
+    (PP + HY, lambda a, task: a.stages > len(layer_names(task)) and (
+        f"{a.stages} pipeline stages but the {a.model} model has only {len(layer_names(task))} "
+        f"layers ({', '.join(layer_names(task))}): each stage needs at least one layer, so run "
+        f"with at most {len(layer_names(task))} ranks (or a deeper model)")),
+]
+
+
+def parse_args(scheme, argv=None, n_ranks=None):
+    """The flags of ``scheme`` parsed, completed (:func:`complete`) and checked (FLAG_RULES),
+    the same way on every rank; ``n_ranks`` is the job's size (COMM_WORLD's by default)."""
+    launch = "" if scheme == "serial" else f"mpirun -n {'N' if scheme == 'hybrid' else 'P'} "
+    ap = argparse.ArgumentParser(prog=f"{launch}python -m mpipar.{scheme}",
+                                 description=PROGS[scheme])
+    ap.error = lambda message: comm.refuse(f"{message} (see --help)")
+    common_flags(ap, scheme)
+    scheme_flags(ap, scheme)
+    a = complete(ap.parse_args(argv), scheme,
+                 MPI.COMM_WORLD.Get_size() if n_ranks is None else n_ranks)
+    for schemes, condition, message in FLAG_RULES:
+        if scheme in schemes and condition(a):
+            comm.refuse(message.format(a=a))
+    a.bucket_mb = 25.0 if a.overlap and a.bucket_mb is None else a.bucket_mb  # DDP's default
+    if a.backend == "cupy" and (problem := B.cupy_problem()):  # on every rank, before arrays
+        comm.refuse(problem)
+    B.use(a.backend, a.dtype)
+    return a
+
+
+def complete(a, scheme, n):
+    """Fill what the flags leave open: the model's defaults, the flags a scheme does not have,
+    and the grid (dp, tp, pp) of n ranks, so that every scheme's options look alike."""
+    a.scheme, a.n = scheme, n
+    for key, value in serial.DEFAULTS[a.model].items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
+    absent = dict(explain=False, micro_batches=1, chunks=1, partition=None, bucket_mb=None,
+                  overlap=False, dp=1, tp=1, pp=1, sequence_parallel=False)
+    for key in [key for key in absent if not hasattr(a, key)]:
+        setattr(a, key, absent[key])
+    a.dp, a.tp, a.pp = {"data_parallel": (n, 1, 1), "tensor_parallel": (1, n, 1),
+                        "pipeline": (1, 1, n)}.get(scheme, (a.dp, a.tp, a.pp))
+    if scheme == "hybrid" and a.dp is None and min(a.tp, a.pp) >= 1:
+        a.dp = max(n // (a.tp * a.pp), 1)
+    if scheme == "pipeline":
+        a.chunks = (2 if a.schedule == "interleaved" else 1) if a.chunks is None else a.chunks
+        a.stages = a.stages if a.print_schedule else n
+        a.micro_batches = 4 if a.micro_batches is None else a.micro_batches
+    if scheme == "hybrid":
+        a.stages = a.pp
+        if a.micro_batches is None:  # 4, or fewer when a replica has fewer rows
+            a.micro_batches = max(1, min(4, a.batch_size // max(a.dp or 1, 1)))
+    a.replicas, a.one_replica = a.dp, "replica" if scheme == "hybrid" else "rank"
+    a.replica = a.one_replica + "s"  # the words of the batch refusal
+    a.rows_needed = (a.dp or 1) * a.micro_batches
+    return a
+
+
+def check_model(scheme, a, task):
+    """MODEL_RULES: what the flags allow but this model cannot do."""
+    for schemes, problem in MODEL_RULES:
+        message = scheme in schemes and problem(a, task)
+        if message:
+            comm.refuse(message)

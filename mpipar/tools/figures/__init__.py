@@ -1,0 +1,68 @@
+"""Pictures of the course's ideas, drawn from the code that carries them out.
+
+    python -m mpipar.tools.figures [--out lessons/figures]
+
+Each picture runs the real function it shows and draws what that function did:
+
+1. ``ring.png``: :func:`mpipar.data_parallel.ring_allreduce` on P = 4 threads standing in for
+   ranks (:class:`~mpipar.tools.figures.draw.ThreadRanks`); each panel shows which ranks'
+   contributions every chunk holds after one Sendrecv step, and the chunk each rank sent.
+2. ``master_vs_ring.png``: the seed's master scheme (everything through rank 0) against the ring
+   (each rank talks to its two neighbours), with the bytes per rank the ring run above sent.
+3. ``megatron_mlp.png``: which block of the MLP's two matrices each rank holds
+   (:class:`~mpipar.tensor_parallel.ColumnParallelLinear`, then ``RowParallelLinear``) and
+   where ``f`` and ``g`` sit, with their forward/backward rules quoted from their docstrings.
+4. ``vocab_cross_entropy.png``: :class:`~mpipar.tensor_parallel.VocabParallelCrossEntropy` on
+   3 threads: the logits each rank holds and its three Allreduces (MAX, SUM, SUM).
+5. ``schedules.png``: every pipeline schedule of :mod:`mpipar.parts.schedules` on 4 stages and 4
+   micro-batches, as :func:`~mpipar.parts.schedules.simulate` times its instruction lists.
+6. ``grid.png``: the ranks of a 2 x 2 x 2 :class:`~mpipar.mpi.grid.Grid` and the groups its three
+   ``Split`` calls form (a stand-in communicator records the colours).
+
+Pictures 1-4 live in :mod:`mpipar.tools.figures.collectives`, 5-6 in
+:mod:`mpipar.tools.figures.layouts`, the stand-ins and shared settings in
+:mod:`mpipar.tools.figures.draw`. Each figure function returns the data it drew (lists and rounded
+numbers; a ``*_run`` or ``*_layout`` function computes it without drawing); ``data.json`` next to
+the PNGs holds a SHA-256 of each, and the tests compare it with a fresh run: a picture that no
+longer matches the code is caught, whichever matplotlib version renders the pixels. Left out: a
+picture of ZeRO's shards and of the hybrid's pipeline of tensor-parallel stages.
+"""
+
+import argparse
+import hashlib
+import json
+from pathlib import Path
+
+DEFAULT_OUT = Path(__file__).resolve().parents[3] / "lessons" / "figures"
+
+
+def figures():
+    """name -> function(path) that draws the PNG and returns the data it drew."""
+    from mpipar.tools.figures import collectives as C
+    from mpipar.tools.figures import layouts as L
+
+    return {"ring": C.ring_figure, "master_vs_ring": C.master_vs_ring_figure,
+            "megatron_mlp": C.megatron_figure, "vocab_cross_entropy": C.cross_entropy_figure,
+            "schedules": L.schedules_figure, "grid": L.grid_figure}
+
+
+def digest(data):
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def write_all(out):
+    """Draw every figure into ``out`` and write data.json (name: SHA-256 of the data drawn)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    hashes = {name: digest(fn(out / f"{name}.png")) for name, fn in figures().items()}
+    (out / "data.json").write_text(json.dumps(hashes, indent=1, sort_keys=True) + "\n")
+    return hashes
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m mpipar.tools.figures",
+                                 description="Draw the course's pictures of the ideas.")
+    ap.add_argument("--out", default=str(DEFAULT_OUT), help="folder for the PNGs and data.json")
+    args = ap.parse_args(argv)
+    for name in write_all(args.out):
+        print(Path(args.out) / f"{name}.png")

@@ -1,0 +1,3 @@
+from mpipar.tools.figures import main
+
+main()

@@ -1,0 +1,110 @@
+"""What every picture of :mod:`mpipar.tools.figures` shares: matplotlib set up headless, colours,
+numbers rounded for hashing, and two stand-ins that let a picture run the real code without
+MPI (threads for ranks; a communicator that records the colours of its Splits)."""
+
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+
+RANK_COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860"]
+PART_COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#8172B3"}
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save(fig, path):
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    pyplot().close(fig)
+
+
+def rounded(x):
+    """Numbers as drawn, rounded so a last-bit difference between NumPy builds hashes the same."""
+    return round(float(x), 6) + 0.0  # + 0.0: -0.0 (a masked product) hashes as 0.0
+
+
+# ----------------------------------------------------------------------------- stand-in ranks
+class ThreadRanks:
+    """P threads standing in for P ranks, each running ``fn(comm)``. The comm offers the two
+    calls the pictured functions make, Sendrecv and Allreduce, with MPI's meaning: every rank
+    posts a copy of its buffer, waits for the others (a barrier), then reads what it is owed.
+    ``on_send(rank, sendbuf)``, when set, sees each Sendrecv before the exchange."""
+
+    def __init__(self, size, on_send=None):
+        self.size, self.on_send, self.box, self.allreduces = size, on_send, {}, []
+        self.barrier = threading.Barrier(size, timeout=30)
+
+    def run(self, fn):
+        results, errors = [None] * self.size, []
+
+        def body(rank):
+            try:
+                results[rank] = fn(SimpleNamespace(rank=rank, size=self.size,
+                                                   Sendrecv=self._sendrecv(rank),
+                                                   Allreduce=self._allreduce(rank)))
+            except Exception as err:  # a broken barrier lets the other threads end too
+                errors.append(err)
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=body, args=(r,)) for r in range(self.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise min(errors, key=lambda e: isinstance(e, threading.BrokenBarrierError))
+        return results
+
+    def _exchange(self, rank, posted):
+        self.barrier.wait()  # the previous call's reads are done: the box may be reused
+        self.box[rank] = posted
+        self.barrier.wait()
+        return dict(self.box)
+
+    def _sendrecv(self, rank):
+        def Sendrecv(sendbuf, dest, recvbuf, source, tag=0, what=""):
+            if self.on_send:
+                self.on_send(rank, sendbuf)
+            to, data = self._exchange(rank, (dest, sendbuf.copy()))[source]
+            assert to == rank, f"rank {source} sent to {to}, but rank {rank} receives from it"
+            recvbuf[...] = data
+        return Sendrecv
+
+    def _allreduce(self, rank):
+        from mpi4py import MPI
+
+        def Allreduce(buf, op=MPI.SUM, what=""):
+            parts = self._exchange(rank, buf.copy())
+            ordered = [parts[r] for r in range(self.size)]
+            assert op in (MPI.SUM, MPI.MAX), "the stand-in reduces with SUM or MAX only"
+            name = "MAX" if op == MPI.MAX else "SUM"
+            buf[...] = (np.maximum if name == "MAX" else np.add).reduce(ordered)
+            if rank == 0:
+                self.allreduces.append(dict(op=name, what=what, result=buf.tolist(),
+                                            parts=[p.tolist() for p in ordered]))
+        return Allreduce
+
+
+class SplitRecorder:
+    """A stand-in for an mpi4py communicator of ``size`` ranks, seen from ``rank``: records
+    the colour of every Split, so the groups Grid forms can be read without MPI."""
+
+    def __init__(self, rank, size):
+        self.rank, self.size, self.colors = rank, size, []
+
+    def Get_rank(self):
+        return self.rank
+
+    def Get_size(self):
+        return self.size
+
+    def Split(self, color, key):
+        self.colors.append(color)
+        return SplitRecorder(key, self.size)

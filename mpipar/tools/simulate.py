@@ -1,0 +1,428 @@
+"""Cost model: predict a training step's time and memory per rank for a DP x TP x PP layout.
+
+    python -m mpipar.tools.simulate --d-model 64 --n-layers 4 --dp 1 --tp 2 --pp 2 --micro-batches 4
+    python -m mpipar.tools.simulate --preset gpt3 --hardware h100 --dp 8 --tp 8 --pp 16
+
+    python -m mpipar.tools.simulate --dp 2 --zero 3 --recompute selective
+
+From measured numbers (or published ones for other hardware): the FLOP rate of one device,
+alpha (seconds per message) and beta (seconds per byte) of its links, and on this machine what
+MPI's Allreduce cost at each size and rank count measured (:mod:`mpipar.tools.hardware`), it
+predicts
+
+- compute: each layer's forward FLOPs from :func:`mpipar.parts.plan.layer_flops` (backward
+  counted as twice the forward), divided over the tensor-parallel ranks, plus a fixed time
+  per layer and micro-batch that does not divide (``Hardware.layer_overhead``), and the
+  optimizer update, which grows with a stage's parameters (``Hardware.update_per_param``).
+  The rate is that of a rank while the ranks it works with compute too: ranks that share a
+  machine's cores and memory run slower together than one alone (``compute_share``); for
+  tensor parallelism on this machine it is measured directly, on one rank's block timed while
+  its partner runs its own at the same moment (:func:`mpipar.tools.validate.tp_calibration`);
+- tensor-parallel communication: per transformer block and micro-batch, 2 allreduces forward and
+  2 backward of b*s*h elements (Megatron-LM); for a whole GPT one more each in the embedding
+  and the head, and 3 of b*s in the loss. Every collective (these, and the data-parallel and
+  ZeRO ones below) costs what the same call measured on as many ranks at that size where
+  plots/net.csv has it (``--hardware this``), else a ring: 2(t-1) alpha + 2(t-1)/t n beta
+  (:meth:`mpipar.tools.hardware.Hardware.collective_time`; an allgather or reduce-scatter half an
+  allreduce of the same size);
+- pipeline: the stages cut by :func:`mpipar.parts.plan.partition`, then the *actual* schedule
+  (:func:`mpipar.parts.schedules.schedule`) replayed by :func:`mpipar.parts.schedules.simulate` with
+  each stage's forward and backward times and alpha + n beta per activation or gradient message, so
+  the bubble comes out of the replay, not out of the closed formula (p-1)/(m+p-1);
+- data-parallel gradient allreduce once per step (over d ranks, not overlapped); with
+  ZeRO-3 each layer's two allgathers and one reduce-scatter per micro-batch instead, and with
+  ZeRO-1 to 3 an update of 1/d of the parameters (``--zero 0..3``; with d = 1 nothing is
+  sharded);
+- ZeRO-3's work beyond its collectives (``Hardware.zero3_per_value``, measured by
+  ``python -m mpipar.tools.bench memory`` on one rank: ZeRO-3's step less ZeRO-0's, divided by the
+  values it gathers, each layer twice per micro-batch): a fresh buffer of the full layer per
+  gather, filled, viewed and freed, and a fresh full gradient. It does not divide by d: the
+  buffers are the whole layer on any number of ranks; only the copies of a rank's own block
+  (the whole layer on one rank, 1/d of it on d) shrink, so on d > 1 it errs high by those;
+- recomputation (``--recompute [full|selective]``): full, one more forward in the backward;
+  selective, attention's core again;
+- memory per rank: parameters, gradients, optimizer state (Adam: 2 values per parameter,
+  divided by d with ZeRO-1; ZeRO-2 divides the gradients too, ZeRO-3 the parameters too) and
+  the activations of the most micro-batches a stage stashes.
+
+- ranks that share cores (more ranks than cores, as on a small build machine): given a table
+  {k: speed of a rank while k compute}, the replay shares the cores among the stages that
+  compute at each moment (:func:`shared_replay`).
+What it leaves out: overlap of communication with compute, kernel efficiency beyond "a FLOP
+rate plus a fixed cost per layer", contention of the links, the time ranks wait for one
+another at a collective (an allreduce measured back to back finds its partner ready).
+"""
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from mpipar.engine import nn
+from mpipar.parts import plan, schedules
+from mpipar.tools.hardware import (  # noqa: F401 (the model's machines, imported from here too)
+    PRESETS,
+    Hardware,
+    measured_machine,
+    ring_allreduce_time,
+    this_machine,
+)
+
+
+# ----------------------------------------------------------------------------- the models
+@dataclass
+class GPTSpec:
+    """A GPT's sizes; ``blocks_only`` models just the transformer blocks (no embedding, head)."""
+
+    vocab: int
+    d_model: int
+    n_heads: int
+    n_layers: int
+    seq_len: int
+    blocks_only: bool = False
+
+    def model(self):
+        """The layer list (shapes only: parameters are never allocated)."""
+        if self.blocks_only:
+            return nn.Sequential((f"blocks.{i}", nn.Block(self.d_model, self.n_heads))
+                                 for i in range(self.n_layers))
+        return nn.GPT(self.vocab, self.d_model, self.n_heads, self.n_layers, self.seq_len)
+
+    def input_shape(self, rows):
+        return (rows, self.seq_len, self.d_model) if self.blocks_only else (rows, self.seq_len)
+
+    def message_bytes(self, rows, dtype_bytes):
+        """One activation (or gradient) between stages, and one tensor-parallel allreduce."""
+        return rows * self.seq_len * self.d_model * dtype_bytes
+
+    def stash_bytes(self, layer, rows, tp, dtype_bytes, recompute=False):
+        if not isinstance(layer, nn.Block):
+            return 0.0
+        if recompute and recompute != "selective":  # full: only the block's input is kept
+            return self.message_bytes(rows, dtype_bytes)
+        # Korthikanti et al. 2022: s b h (10 + 24/t + 5 a s / (h t)) bytes in 16-bit; selective
+        # recomputation drops the last term, attention's softmax part (their Sec. 5)
+        s, h, a = self.seq_len, self.d_model, self.n_heads
+        core = 0 if recompute == "selective" else 5 * a * s / (h * tp)
+        return s * rows * h * (10 + 24 / tp + core) * dtype_bytes / 2
+
+
+@dataclass
+class MLPSpec:
+    """An MLP of the given widths (Linear layers with ReLU between)."""
+
+    sizes: tuple
+
+    def model(self):
+        return nn.MLP(list(self.sizes))
+
+    def input_shape(self, rows):
+        return (rows, self.sizes[0])
+
+    def message_bytes(self, rows, dtype_bytes):
+        return rows * max(self.sizes[1:-1] or self.sizes) * dtype_bytes
+
+    def stash_bytes(self, layer, rows, tp, dtype_bytes, recompute=False):
+        if isinstance(layer, nn.Linear):  # a Linear keeps its input for dW = x^T dout
+            return rows * layer.W.shape[0] * dtype_bytes / tp
+        return 0.0
+
+GPT3 = GPTSpec(vocab=50257, d_model=12288, n_heads=96, n_layers=96, seq_len=2048)  # 175B
+
+
+# tensor-parallel Allreduces per micro-batch, forward and backward together, of an activation
+# (b*s*h) and of one number per token (b*s), by layer (mpipar.tensor_parallel): a block's 2 + 2,
+# the embedding's partial lookups, the head's input gradient and the cross-entropy's softmax
+# statistics (max, target logit, sum of exponentials)
+TP_ALLREDUCES = {nn.Block: (4, 0), nn.GPTEmbedding: (1, 0), nn.GPTHead: (1, 3)}
+# ZeRO-3's collectives per layer and micro-batch (mpipar.zero): its parameters gathered for the
+# forward and again for the backward, its gradient reduce-scattered
+ZERO3_CALLS = ("allgather", "allgather", "reduce_scatter")
+
+
+def layer_table(spec, micro_rows, tp=1, dtype_bytes=2, recompute=False):
+    """Per layer: forward FLOPs for one micro-batch, parameters, its tensor-parallel allreduces
+    (of activations, of one number per token: see ``TP_ALLREDUCES``), and the activation bytes
+    it stashes."""
+    model = spec.model()
+    flops = plan.layer_flops(model, spec.input_shape(micro_rows))
+    return [dict(name=name, flops=f, params=sum(p.size for p in layer.parameters()),
+                 tp_allreduces=TP_ALLREDUCES.get(type(layer), (0, 0)),
+                 stash=spec.stash_bytes(layer, micro_rows, tp, dtype_bytes, recompute),
+                 # attention's core (q k^T, p v: 2 b s^2 h FLOPs each), which selective
+                 # recomputation runs again in the backward
+                 core=4 * micro_rows * spec.seq_len ** 2 * spec.d_model
+                 if isinstance(layer, nn.Block) else 0)
+            for (name, layer), f in zip(model.layers, flops)]
+
+
+def shared_replay(lists, fwd, bwd, extra, message, share, group=1, rounds=20):
+    """Replay a pipeline schedule on ranks that share cores (processor sharing).
+
+    ``share[k]``: the speed of a computing rank, relative to one rank alone, while k ranks
+    compute (measured by ``python -m mpipar.tools.bench flops``: with more ranks than cores it falls
+    with k; ranks that wait cost a little too). A stage is ``group`` ranks (its data- and
+    tensor-parallel peers) that compute together. Which stages compute at once depends on the
+    timing, and the timing on how fast they compute, so this iterates: replay, find for each
+    forward and backward the mean of 1/share over its span, scale its compute time ``fwd[s]``
+    or ``bwd[s]`` by that (``extra[s]``, the stage's collectives in either pass, is not
+    scaled), replay again; halfway steps (damping) until the slowdowns settle."""
+    top = max(share)
+    first = 1 / share[group]  # the first guess: the stage's own ranks computing
+    slow = {}  # (stage, micro, "F" or "B") -> slowdown of that compute
+
+    def costs(kind, base):
+        return lambda s, k: base[s] * slow.get((s, k, kind), first) + extra[s]
+
+    for _ in range(rounds):
+        timeline = schedules.simulate(lists, costs("F", fwd), costs("B", bwd), message)
+        spans = [(t0, t1, (s, ins.micro, ins.code)) for s, events in enumerate(timeline)
+                 for ins, t0, t1 in events if ins.code in ("F", "B") and t1 > t0]
+        edges = sorted({t for t0, t1, _ in spans for t in (t0, t1)})
+        # 1/share for each interval between consecutive span edges
+        pieces = []
+        for a, b in zip(edges, edges[1:]):
+            k = group * sum(t0 <= a and b <= t1 for t0, t1, _ in spans)
+            pieces.append((a, b, 1 / share[min(max(k, 1), top)]))
+        new = {}
+        for t0, t1, key in spans:
+            mean = sum((b - a) * inv for a, b, inv in pieces if t0 <= a and b <= t1) / (t1 - t0)
+            new[key] = 0.5 * slow.get(key, first) + 0.5 * mean
+        slow = new
+    return timeline
+
+
+def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f1b",
+            dtype_bytes=2, zero=0, recompute=False, compute_share=1.0, stage_share=None):
+    """Predicted step time (and its parts) and memory per rank.
+
+    ``recompute``: keep only each block's input and recompute its forward in backward (the
+    backward then costs 3 forwards instead of 2); "selective": keep all but attention's
+    softmax part, whose forward (the table's ``core``) the backward runs again. ``zero`` 3: each
+    layer's parameters are allgathered twice and its gradient reduce-scattered once per
+    micro-batch, in place of the one allreduce: each half an allreduce of the layer's bytes
+    (an allreduce is a reduce-scatter and an allgather), 1.5 allreduces in all, and its work
+    beyond them, ``hw.zero3_per_value`` per value of each gather (the full layer at any d).
+    ``compute_share`` scales the FLOP rate when
+    ranks share a core (oversubscription): one number for every moment, or a table
+    {k: share while k ranks compute}, for which the pipeline is replayed with the cores shared
+    among the stages that compute at each moment (:func:`shared_replay`). Such a table is the
+    pace of ranks in lockstep (the last of k to finish: replicas or tensor-parallel peers
+    wait for one another). ``stage_share``, a table of the mean speed of each of k ranks, is
+    used instead where every stage is one rank: stages that do not wait for each other are not
+    held back by the slowest."""
+    micro_rows = global_batch / (dp * n_micro)
+    if micro_rows < 1:
+        raise ValueError(f"global batch {global_batch} is too small for dp={dp} x m={n_micro}")
+    rows = max(1, round(micro_rows))
+    table = layer_table(spec, rows, tp, dtype_bytes, recompute)
+    scale = micro_rows / rows
+    counts = plan.partition([row["flops"] for row in table], pp)  # as the pipeline cuts
+    table_share = compute_share if isinstance(compute_share, dict) else None
+    if table_share:  # everything outside the pipeline replay runs with every rank computing
+        compute_share = table_share[min(dp * tp * pp, max(table_share))]
+    rate = hw.flops * (1.0 if table_share else compute_share)
+    act_bytes = spec.message_bytes(micro_rows, dtype_bytes)  # one activation or its gradient
+    allreduce = hw.collective_time("allreduce", act_bytes, tp, hw.tp_alpha, hw.tp_beta)
+    per_token = hw.collective_time("allreduce", act_bytes / spec.d_model if isinstance(
+        spec, GPTSpec) else 0.0, tp, hw.tp_alpha, hw.tp_beta)
+    backward_factor = 3.0 if recompute and recompute != "selective" else 2.0
+
+    fwd, bwd, comm, stage_params, stage_stash = [], [], [], [], []
+    start = 0
+    for c in counts:
+        layers = table[start:start + c]
+        start += c
+        flops = sum(r["flops"] for r in layers) * scale / tp
+        big = sum(r["tp_allreduces"][0] for r in layers)
+        small = sum(r["tp_allreduces"][1] for r in layers)
+        fixed = c * hw.layer_overhead
+        core = (recompute == "selective") * sum(r["core"] for r in layers) * scale / tp
+        fwd.append(fixed + flops / rate)
+        bwd.append(2 * fixed + (backward_factor * flops + core) / rate)
+        comm.append((big * allreduce + small * per_token) / 2)  # in each pass: half of them
+        stage_params.append(sum(r["params"] for r in layers) / tp)
+        stage_stash.append(sum(r["stash"] for r in layers) * scale)
+
+    message = hw.net_alpha + act_bytes * hw.net_beta if pp > 1 else 0.0
+    lists = schedules.schedule(schedule, pp, n_micro)
+    if table_share:
+        replay_share = stage_share if stage_share and dp * tp == 1 else table_share
+        timeline = shared_replay(lists, fwd, bwd, comm, message, replay_share, dp * tp)
+        fwd = [f / compute_share for f in fwd]  # for the split below: all ranks computing
+        bwd = [b / compute_share for b in bwd]
+    fwd = [f + c for f, c in zip(fwd, comm)]
+    bwd = [b + c for b, c in zip(bwd, comm)]
+    if not table_share:
+        timeline = schedules.simulate(lists, forward_cost=fwd, backward_cost=bwd,
+                                      message_cost=message)
+    pipeline_time = max(end for events in timeline for _, _, end in events)
+    busiest = int(np.argmax([n_micro * (f + b) for f, b in zip(fwd, bwd)]))
+
+    grad_bytes = max(stage_params) * dtype_bytes
+    dp_time = hw.collective_time("allreduce", grad_bytes, dp, hw.net_alpha, hw.net_beta)
+    if zero >= 3:  # per micro-batch and layer Allgather, Allgather, Reduce_scatter
+        layers = table[sum(counts[:busiest]):][:counts[busiest]]  # the busiest stage's
+        dp_time = n_micro * sum(hw.collective_time(kind, r["params"] / tp * dtype_bytes, dp,
+                                                   hw.net_alpha, hw.net_beta)
+                                for r in layers if r["params"] for kind in ZERO3_CALLS)
+    # the optimizer update: of a stage's parameters, of 1/d of them with ZeRO-1
+    update = max(stage_params) * hw.update_per_param / (dp if zero else 1) / compute_share
+    # ZeRO-3's own work per gather (twice per layer and micro-batch): the full layer at any d
+    update += (zero >= 3) * 2 * n_micro * stage_params[busiest] * hw.zero3_per_value \
+        / compute_share
+    total = pipeline_time + dp_time + update
+
+    compute = update + n_micro * (fwd[busiest] + bwd[busiest]
+                                  - 2 * comm[busiest])
+    tp_comm = n_micro * 2 * comm[busiest]
+    pp_comm = 2 * n_micro * message if pp > 1 else 0.0
+    bubble = max(0.0, pipeline_time + update - compute - tp_comm - pp_comm)
+
+    peak = [schedules.peak_in_flight(ins) for ins in lists]
+    params = max(stage_params)
+    memory = dict(
+        params=params * dtype_bytes / (dp if zero >= 3 else 1),
+        grads=params * dtype_bytes / (dp if zero >= 2 else 1),
+        # Adam's m and v in float32, plus a float32 master copy of 16-bit weights: 12 bytes
+        # per parameter in mixed precision (16 with the 16-bit weights and gradients, ZeRO)
+        optimizer=params * (8 + (4 if dtype_bytes < 4 else 0)) / (dp if zero else 1),
+        activations=max(p * b for p, b in zip(peak, stage_stash)),
+    )
+    memory["total"] = sum(memory.values())
+    tokens = global_batch * getattr(spec, "seq_len", 1)
+    return dict(
+        dp=dp, tp=tp, pp=pp, devices=dp * tp * pp, n_micro=n_micro, schedule=schedule,
+        step_s=total, compute_s=compute, tp_comm_s=tp_comm, pp_comm_s=pp_comm, bubble_s=bubble,
+        dp_comm_s=dp_time, tokens_per_s=tokens / total,
+        model_flops_per_s=6 * sum(r["params"] for r in table) * tokens / total,
+        fits=memory["total"] <= hw.memory, partition=counts,
+        **{f"mem_{k}_bytes": v for k, v in memory.items()},
+    )
+
+
+# ----------------------------------------------------------------------------- extrapolation
+def gpt3_layouts(n_devices, per_node=8):
+    """Layouts for n devices: TP inside a node (at most 8), PP across nodes, DP for the rest."""
+    return [(n_devices // (tp * pp), tp, pp) for tp in (1, 2, 4, 8)
+            for pp in (1, 2, 4, 8, 16, 32, 64) if tp <= per_node and not n_devices % (tp * pp)]
+
+
+def extrapolate(hw_name="a100", global_batch=1536, devices=(8, 16, 32, 64, 128, 256, 512, 1024)):
+    """Best predicted layout per device count, and a few fixed layout families, for GPT-3."""
+    hw = PRESETS[hw_name]
+    rows = []
+    for n in devices:
+        for dp, tp, pp in gpt3_layouts(n):
+            if global_batch % dp:
+                continue
+            # micro-batches of one sequence, as Megatron-LM ran; without a pipeline, one pass
+            n_micro = global_batch // dp if pp > 1 else 1
+            r = predict(GPT3, hw, dp, tp, pp, global_batch, n_micro, "1f1b", dtype_bytes=2,
+                        zero=1, recompute=True)
+            r["efficiency"] = r["model_flops_per_s"] / (n * hw.flops / 0.5)  # of peak
+            rows.append(r)
+    return rows
+
+
+# ----------------------------------------------------------------------------- command line
+def _number(kind, zero_ok=False):
+    """An argparse type: a finite number > 0 (>= 0 with ``zero_ok``), so that no flag can turn
+    the prediction negative or NaN; argparse prints the refusal and exits 2."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+            raise argparse.ArgumentTypeError(
+                f"expected a {'whole ' if kind is int else 'finite '}number "
+                f"{'>= 0' if zero_ok else '> 0'}, got {text!r}")
+        return value
+    return parse
+
+
+def layout_problem(spec, a):
+    """Why this model cannot run on the layout of the flags ``a`` (one sentence), or None."""
+    if spec.d_model % spec.n_heads:
+        return f"--d-model {spec.d_model} is not divisible by --n-heads {spec.n_heads}"
+    if spec.n_heads % a.tp or spec.d_model % a.tp:
+        return (f"--tp {a.tp} must divide the head count ({spec.n_heads}) and the hidden size "
+                f"({spec.d_model}): tensor parallelism splits both")
+    if spec.vocab < a.tp:
+        return f"--vocab {spec.vocab} has fewer entries than the {a.tp} tensor-parallel ranks"
+    n_layers = spec.n_layers + 2  # the embedding and the head are layers of their own
+    if a.pp > n_layers:
+        return (f"--pp {a.pp} stages but the model has only {n_layers} layers (embedding, "
+                f"{spec.n_layers} blocks, head): each stage needs at least one")
+    if a.batch_size < a.dp * a.micro_batches:
+        return (f"--batch-size {a.batch_size} cannot give every one of --dp {a.dp} replicas x "
+                f"--micro-batches {a.micro_batches} a row: use at least {a.dp * a.micro_batches}")
+    return None
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m mpipar.tools.simulate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    count, rate, cost = _number(int), _number(float), _number(float, zero_ok=True)
+    ap.add_argument("--preset", choices=["gpt3"], help="a published model instead of the flags")
+    ap.add_argument("--vocab", type=count, default=96)
+    ap.add_argument("--d-model", type=count, default=64)
+    ap.add_argument("--n-heads", type=count, default=4)
+    ap.add_argument("--n-layers", type=count, default=2)
+    ap.add_argument("--seq-len", type=count, default=32)
+    ap.add_argument("--batch-size", type=count, default=32, help="global batch")
+    ap.add_argument("--dp", type=count, default=1)
+    ap.add_argument("--tp", type=count, default=1)
+    ap.add_argument("--pp", type=count, default=1)
+    ap.add_argument("--micro-batches", type=count, default=1)
+    ap.add_argument("--schedule", choices=list(schedules.SCHEDULES), default="1f1b")
+    ap.add_argument("--hardware", choices=["this", *PRESETS], default="this")
+    ap.add_argument("--flops", type=rate, help="FLOP/s, --hardware this (default: flops.csv)")
+    ap.add_argument("--alpha", type=cost, help="s per message, --hardware this (0: free)")
+    ap.add_argument("--beta", type=cost, help="s per byte, --hardware this (default: net.csv)")
+    ap.add_argument("--dtype-bytes", type=count, default=4)
+    ap.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0,
+                    help="ZeRO stage: shard optimizer state (1), gradients (2), parameters (3)")
+    ap.add_argument("--recompute", nargs="?", const="full", choices=["full", "selective"],
+                    help="recompute activations in backward (alone: full)")
+    ap.add_argument("--json", action="store_true", help="print the prediction as JSON")
+    args = ap.parse_args(argv)
+    spec = GPT3 if args.preset == "gpt3" else GPTSpec(args.vocab, args.d_model, args.n_heads,
+                                                       args.n_layers, args.seq_len)
+    problem = layout_problem(spec, args)
+    if problem:
+        ap.error(problem)
+    hw = measured_machine(args.flops, args.alpha, args.beta) if args.hardware == "this" \
+        else PRESETS[args.hardware]
+    r = predict(spec, hw, args.dp, args.tp, args.pp, args.batch_size, args.micro_batches,
+                args.schedule, args.dtype_bytes, args.zero, args.recompute)
+    if args.json:  # allow_nan=False: a NaN is an error here, never a silent "NaN" in the output
+        print(json.dumps(dict(r, hardware=asdict(hw)), allow_nan=False))
+        return
+    print(f"{hw.name}: GPT {spec}")
+    print(f"layout dp={args.dp} tp={args.tp} pp={args.pp}, {args.micro_batches} micro-batches, "
+          f"{args.schedule}; layers per stage {r['partition']}"
+          + (f"; ZeRO-{args.zero}" if args.zero else "")
+          + (f"; recompute {args.recompute}" if args.recompute else ""))
+    print(f"predicted step {_ms(r['step_s'])}: compute {_ms(r['compute_s'])}, tensor-parallel "
+          f"comm {_ms(r['tp_comm_s'])}, pipeline comm {_ms(r['pp_comm_s'])}, bubble "
+          f"{_ms(r['bubble_s'])}, data-parallel comm {_ms(r['dp_comm_s'])}")
+    print(f"throughput {r['tokens_per_s']:,.0f} tokens/s")
+    mem = {k[4:-6]: v for k, v in r.items() if k.startswith("mem_")}
+    print("memory per rank: " + ", ".join(f"{k} {_gb(v)}" for k, v in mem.items())
+          + ("" if r["fits"] else "  (does not fit)"))
+
+
+def _ms(seconds):
+    return f"{seconds * 1e3:.3f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def _gb(n):
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
+if __name__ == "__main__":
+    main()

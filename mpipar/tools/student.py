@@ -1,0 +1,329 @@
+"""The student track: a copy of the project with the core of each scheme taken out, and a grader.
+
+    python -m mpipar.tools.student list             # the exercises
+    python -m mpipar.tools.student make DIR # DIR: a copy in which every exercise is to be written
+    python -m mpipar.tools.student grade DIR        # one line per exercise: passed, or why not
+    python -m mpipar.tools.student grade DIR ring-allreduce f-backward    # only these
+
+``make`` copies the repository (``mpipar/``, ``tests/``, ``lessons/`` and the set-up files) into
+DIR and replaces the body of each exercise's functions by ``raise NotImplementedError(task)``,
+keeping the signature and the docstring, which says what the function must do. Write the
+bodies in DIR; the rest of the copy is the reference and does not change.
+
+``grade`` checks each exercise in DIR's copy with the project's own equivalence checks:
+1. the training command that runs the exercise's code (``mpirun -n P python -m mpipar.<scheme>``)
+   saves its parameters, the serial trainer with the same flags saves its own, and every
+   parameter must agree within a relative error of 1e-10 (the tolerance of the tests); the
+   first one that does not is named, with its relative error;
+2. then the existing tests named for the exercise (for example the exact 1F1B instruction
+   lists: a schedule that trains correctly in the wrong order is still wrong), run by pytest.
+An exercise passes when both pass. The exit code is the number of exercises that failed.
+
+Each exercise is graded on its own: its checks run in a scratch copy of DIR in which the
+functions of every other exercise are the reference's (those of the project the grader runs
+from), so the row-parallel Linear, which calls g, passes or fails by its own code while g is
+still a stub. Checks that would run the same command on the same code run once.
+"""
+
+import argparse
+import ast
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections import namedtuple
+from pathlib import Path
+
+import numpy as np
+
+from mpipar.tools.bench.common import mpirun_path
+
+ROOT = Path(__file__).resolve().parents[2]
+COPIED = ("mpipar", "tests", "lessons", "setup.cfg", "pyproject.toml", "Makefile", "README.md")
+TOLERANCE = 1e-10
+
+MLP = ["--model", "mlp", "--sizes", "64,16,16,16,10", "--batch-size", "12", "--steps", "3"]
+GPT = ["--model", "gpt", "--d-model", "16", "--n-heads", "4", "--n-layers", "2", "--seq-len",
+       "8", "--batch-size", "4", "--steps", "3"]
+
+Exercise = namedtuple("Exercise", "name path functions task ranks scheme flags model tests")
+
+EXERCISES = [
+    Exercise(
+        "ring-allreduce", "mpipar/data_parallel.py", ("ring_allreduce",),
+        "sum `buf` over the ranks in place: P-1 reduce-scatter steps, then P-1 allgather "
+        "steps, each one Sendrecv to the right neighbour and from the left (lesson 3)",
+        4, "data_parallel", ["--sync", "ring"], MLP, ()),
+    Exercise(
+        "overlap-hook", "mpipar/data_parallel.py", ("GradSync.grads_ready",),
+        "count the parameters whose gradients are final; with overlap, launch every bucket "
+        "whose gradients are all final, in order, and progress the posted requests (lesson 3)",
+        2, "data_parallel", ["--sync", "allreduce", "--overlap", "--bucket-mb", "0.002"], MLP,
+        ("tests/test_data_parallel.py::test_every_mode_equals_serial[2]",)),
+    Exercise(
+        "zero1", "mpipar/data_parallel.py",
+        ("ZeroOptimizer.reduce_scatter_grads", "ZeroOptimizer.allgather_params"),
+        "ZeRO-1: reduce-scatter the flat, padded gradient so that this rank holds the sum of "
+        "its block; after the update, allgather every rank's shard back into the parameters",
+        3, "data_parallel", ["--sync", "allreduce", "--zero", "1"], [*MLP, "--optim", "adam"], ()),
+    Exercise(
+        "f-backward", "mpipar/tensor_parallel.py", ("CopyToTP.backward",),
+        "Megatron's f: the input gradient of a column-parallel layer is the SUM over the "
+        "tensor-parallel ranks of each rank's part (lesson 4)",
+        2, "tensor_parallel", [], GPT, ()),
+    Exercise(
+        "g-forward", "mpipar/tensor_parallel.py", ("ReduceFromTP.forward",),
+        "Megatron's g: the output of a row-parallel layer is the SUM over the ranks of their "
+        "partial products (lesson 4)",
+        2, "tensor_parallel", [], GPT, ()),
+    Exercise(
+        "row-parallel", "mpipar/tensor_parallel.py",
+        ("RowParallelLinear.forward", "RowParallelLinear.backward_input"),
+        "the row-parallel Linear: forward caches its input slice, sums the partial products "
+        "through g and adds the replicated bias once; backward needs no message (lesson 4)",
+        2, "tensor_parallel", [], GPT, ()),
+    Exercise(
+        "1f1b", "mpipar/parts/schedules.py", ("one_f_one_b",),
+        "the 1F1B instruction list of one stage: warm-up forwards, then one forward one "
+        "backward, then the remaining backwards, then the optimizer step (lesson 5)",
+        2, "pipeline", ["--schedule", "1f1b", "--micro-batches", "4"], MLP,
+        ("tests/test_schedules.py::test_exact_1f1b_three_stages_four_micro_batches",
+         "tests/test_schedules.py::test_happens_before_and_matched_messages")),
+]
+
+
+EXERCISE_FILES = sorted({ex.path for ex in EXERCISES})
+
+
+def find(name):
+    for ex in EXERCISES:
+        if ex.name == name:
+            return ex
+    raise SystemExit(f"error: no exercise {name!r}; "
+                     "`python -m mpipar.tools.student list` names them")
+
+
+# ----------------------------------------------------------------------------- make
+def definition(tree, qualname):
+    """The ast node of ``name`` or ``Class.method`` at the top of a module."""
+    node, parts = tree, qualname.split(".")
+    for part in parts:
+        node = next((n for n in node.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))
+                     and n.name == part), None)
+        if node is None:
+            raise LookupError(f"{qualname} is not defined")
+    return node
+
+
+def stub_source(source, functions, message):
+    """``source`` with the bodies of ``functions`` replaced by ``raise NotImplementedError``
+    (the docstring stays), bottom-up so that earlier line numbers stay valid."""
+    lines = source.splitlines(keepends=True)
+    tree = ast.parse(source)
+    nodes = sorted((definition(tree, f) for f in functions), key=lambda n: -n.lineno)
+    for node in nodes:
+        body = node.body
+        has_doc = (isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                   and isinstance(body[0].value.value, str))
+        first = body[1] if has_doc and len(body) > 1 else None if has_doc else body[0]
+        indent = " " * (node.col_offset + 4)
+        pieces = textwrap.wrap(message, 92 - len(indent), drop_whitespace=False)
+        stub = f"{indent}raise NotImplementedError(\n" + "".join(
+            f"{indent}    {piece!r}\n" for piece in pieces) + f"{indent})\n"
+        if first is None:  # docstring only
+            lines.insert(body[0].end_lineno, stub)
+        else:
+            lines[first.lineno - 1:node.end_lineno] = [stub]
+    return "".join(lines)
+
+
+def restore_source(source, reference, functions):
+    """``source`` with the definitions of ``functions`` (decorators included) taken whole from
+    ``reference``, bottom-up so that earlier line numbers stay valid."""
+    def span(node):
+        return min([node.lineno, *(d.lineno for d in node.decorator_list)]), node.end_lineno
+
+    lines, ref_lines = source.splitlines(keepends=True), reference.splitlines(keepends=True)
+    tree, ref_tree = ast.parse(source), ast.parse(reference)
+    spans = []
+    for f in functions:
+        start, end = span(definition(tree, f))
+        ref_start, ref_end = span(definition(ref_tree, f))
+        spans.append((start, end, ref_lines[ref_start - 1:ref_end]))
+    for start, end, text in sorted(spans, key=lambda s: -s[0]):
+        lines[start - 1:end] = text
+    return "".join(lines)
+
+
+def copy_project(source, target):
+    """The project's files (``COPIED``, without byte code) from ``source`` into ``target``."""
+    target.mkdir(parents=True, exist_ok=True)
+    for name in COPIED:
+        src = source / name
+        if src.is_dir():
+            shutil.copytree(src, target / name, ignore=shutil.ignore_patterns("__pycache__"),
+                            dirs_exist_ok=True)
+        elif src.exists():
+            shutil.copy2(src, target / name)
+
+
+def make(target):
+    target = Path(target)
+    if target.exists() and any(target.iterdir()):
+        raise SystemExit(f"error: {target} exists and is not empty; choose a new folder")
+    copy_project(ROOT, target)
+    by_file = {}
+    for ex in EXERCISES:
+        by_file.setdefault(ex.path, []).append(ex)
+    for path, exercises in by_file.items():
+        source = (target / path).read_text()
+        for ex in exercises:
+            source = stub_source(source, ex.functions, f"exercise {ex.name}: {ex.task}")
+        (target / path).write_text(source)
+    print(f"wrote {target}: {len(EXERCISES)} exercises to write "
+          f"(`python -m mpipar.tools.student list`); grade with "
+          f"`python -m mpipar.tools.student grade "
+          f"{target}`")
+
+
+# ----------------------------------------------------------------------------- grade
+def run(cmd, copy, timeout=180):
+    """``cmd`` in the copy, which must import its own mpipar (not this one)."""
+    env = dict(os.environ, PYTHONPATH=str(copy), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    try:
+        return subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(cmd, -1, "", f"no answer in {timeout} s: deadlock?")
+
+
+def why(proc):
+    """The line that says why a run failed: the exception (``NotImplementedError``: "not
+    written yet"), a refusal, a failed test's assertion, else the last line of output."""
+    lines = [line.strip() for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
+    if any(line.startswith("NotImplementedError") for line in lines):
+        return "not written yet (NotImplementedError)"
+    found = [line for line in lines if re.match(r"(E +)?\w+(Error|Exception)\b|error:", line)]
+    return (found or lines or [f"exit code {proc.returncode}"])[0].removeprefix("E").strip()
+
+
+def first_mismatch(got, want):
+    """None when every parameter agrees, else a sentence naming the first that does not."""
+    if sorted(got) != sorted(want):
+        missing = sorted(set(want) ^ set(got))
+        return f"the saved parameters differ in names: {missing[:3]}"
+    for name in want:
+        a, b = np.asarray(got[name]), np.asarray(want[name])
+        if a.shape != b.shape:
+            return f"parameter {name}: shape {a.shape}, serial {b.shape}"
+        scale = max(float(np.max(np.abs(b))), 1e-300)
+        error = float(np.max(np.abs(a - b))) / scale
+        if not np.isfinite(error) or error > TOLERANCE:
+            return f"first mismatching parameter {name}: relative error {error:.2e}"
+    return None
+
+
+def isolate(ex, copy, scratch):
+    """The folder in which ``ex`` is graded: ``copy`` with the reference's functions for every
+    other exercise, so that their stubs and mistakes cannot fail it; ``copy`` itself when it
+    already has them, else a copy of it in ``scratch``. A file that does not parse, or lacks a
+    function, stays as it is: the run names its error."""
+    restored = {}
+    for path in EXERCISE_FILES:
+        others = [f for e in EXERCISES if e.path == path and e is not ex for f in e.functions]
+        try:
+            source = (copy / path).read_text()
+            text = restore_source(source, (ROOT / path).read_text(), others)
+        except (OSError, SyntaxError, LookupError):
+            continue
+        if text != source:
+            restored[path] = text
+    if not restored:
+        return copy
+    folder = scratch / f"copy-{ex.name}"
+    copy_project(copy, folder)
+    for path, text in restored.items():
+        (folder / path).write_text(text)
+    return folder
+
+
+def exercise_code(folder):
+    """The text of every file that holds an exercise: within one copy, the code that differs
+    from one graded folder to another."""
+    return tuple((folder / p).read_text() if (folder / p).exists() else "" for p in
+                 EXERCISE_FILES)
+
+
+def check_training(ex, folder, scratch):
+    """None when the scheme equals the serial trainer, else why not."""
+    shared = [*ex.model, "--dtype", "float64", "--quiet"]
+    saved = scratch / f"{ex.name}.npz"
+    proc = run([mpirun_path(), "-n", str(ex.ranks), sys.executable, "-m", f"mpipar.{ex.scheme}",
+                *ex.flags, *shared, "--save-params", str(saved)], folder)
+    if proc.returncode != 0:
+        return why(proc)
+    serial = scratch / f"serial-{'-'.join(ex.model)}.npz"  # exercises of one model share it
+    if not serial.exists():
+        proc = run([sys.executable, "-m", "mpipar.serial", *shared, "--save-params",
+                    str(serial)], folder)
+        if proc.returncode != 0:
+            return f"the serial reference failed: {why(proc)}"
+    with np.load(saved) as got, np.load(serial) as want:
+        return first_mismatch(dict(got), dict(want))
+
+
+def check_tests(ex, folder):
+    if not ex.tests:
+        return None
+    proc = run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                *ex.tests], folder, timeout=300)
+    return None if proc.returncode == 0 else f"{ex.tests[0].split('::')[-1]}: {why(proc)}"
+
+
+def grade(copy, names=()):
+    """One line per exercise; returns the number that failed."""
+    copy = Path(copy).resolve()
+    if not (copy / "mpipar" / "tools" / "student.py").exists():
+        raise SystemExit(f"error: {copy} is not a copy made by "
+                         "`python -m mpipar.tools.student make`")
+    exercises = [find(n) for n in names] if names else EXERCISES
+    failed, trained = 0, {}  # trained: the training checks' answers by command and code
+    with tempfile.TemporaryDirectory() as scratch:
+        for ex in exercises:
+            folder = isolate(ex, copy, Path(scratch))
+            key = (ex.ranks, ex.scheme, tuple(ex.flags), tuple(ex.model), exercise_code(folder))
+            if key not in trained:
+                trained[key] = check_training(ex, folder, Path(scratch))
+            problem = trained[key] or check_tests(ex, folder)
+            failed += problem is not None
+            print(f"{ex.name:16s} {'passed' if problem is None else 'FAILED: ' + problem}",
+                  flush=True)
+    print(f"{len(exercises) - failed} of {len(exercises)} exercises passed")
+    return failed
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m mpipar.tools.student", description=__doc__.split(
+        "\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="the exercises, with the functions each one asks for")
+    sub.add_parser("make", help="copy the project with the exercises taken out").add_argument(
+        "dir")
+    g = sub.add_parser("grade", help="check a copy's exercises against serial training")
+    g.add_argument("dir")
+    g.add_argument("exercises", nargs="*", help="only these (default: all)")
+    a = ap.parse_args(argv)
+    if a.command == "list":
+        for ex in EXERCISES:
+            print(f"{ex.name:16s} {ex.path} > {', '.join(ex.functions)}\n{'':16s} {ex.task}")
+    elif a.command == "make":
+        make(a.dir)
+    else:
+        sys.exit(min(grade(a.dir, a.exercises), 125))
+
+
+if __name__ == "__main__":
+    main()
