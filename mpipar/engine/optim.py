@@ -37,6 +37,8 @@ def _flat(a):
 
 
 class Optimizer:
+    state_kinds = ()  # what each array of a parameter's state is (a checkpoint's names)
+
     def __init__(self, params, lr):
         self.params = list(params)
         self.lr = lr
@@ -82,6 +84,8 @@ class Optimizer:
 class SGD(Optimizer):
     """v = momentum * v + g;  w -= lr * v  (plain SGD when momentum is 0)."""
 
+    state_kinds = ("momentum",)
+
     def __init__(self, params, lr=0.1, momentum=0.0, weight_decay=0.0):
         super().__init__(params, lr)
         self.momentum = momentum
@@ -104,6 +108,8 @@ class SGD(Optimizer):
 class Adam(Optimizer):
     """Adam (Kingma & Ba 2015) with bias correction; ``decoupled=True`` gives AdamW
     (Loshchilov & Hutter 2019), where weight decay shrinks the weights directly."""
+
+    state_kinds = ("adam_m", "adam_v")
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  decoupled=False):

@@ -15,6 +15,7 @@ import numpy as np
 from mpipar import tensor_parallel as tp
 from mpipar.engine import backend as B
 from mpipar.engine import nn
+from mpipar.engine.parameters import take
 from mpipar.mpi import comm as C
 from mpipar.mpi.grid import Grid
 from mpipar.mpi.trace import TRACE
@@ -89,7 +90,7 @@ def run(dense, par, x, x_local, dout, dout_local, what, fwd_sizes, bwd_sizes, dx
 
 
 def cols(a, ranges):
-    return tp._select(a, ranges[rank], a.ndim - 1)
+    return take(a, ["axis", a.ndim - 1, ranges[rank]])
 
 
 rng = np.random.default_rng(11)
