@@ -69,10 +69,11 @@ import math
 
 from mpipar import serial
 from mpipar.engine import backend as B
-from mpipar.engine import nn
+from mpipar.engine.parameters import FlatBlock, Placement, place
 from mpipar.mpi import comm
 from mpipar.mpi.comm import flatten, unflatten
 from mpipar.mpi.trace import TRACE
+from mpipar.runner.trainer import Trainer
 
 
 # ----------------------------------------------------------------------------- communication
@@ -247,8 +248,8 @@ class ZeroOptimizer:
             p.data = self.flat[start:start + p.size].reshape(p.shape)  # views: no copy
             p.grad = self.flat_grad[start:start + p.size].reshape(p.shape)
         lo = dp_comm.rank * s
-        self.shard = nn.Parameter(s)
-        self.shard.name = f"zero1.shard{dp_comm.rank}"
+        self.shard = FlatBlock(self.params, lo, s)  # split over the replicas
+        self.shard.name, self.shard.placement = f"zero1.shard{dp_comm.rank}", Placement([dp_comm])
         self.shard.data, self.shard.grad = self.flat[lo:lo + s], self.flat_grad[lo:lo + s]
         self.opt = make_opt([self.shard])
 
@@ -278,7 +279,7 @@ class ZeroOptimizer:
 
 
 # ----------------------------------------------------------------------------- the scheme
-class Replica:
+class Replica(Trainer):
     """What every variant shares: a whole replica on each rank, made equal by Step 1, and the
     forward and backward of Step 3. Each variant below is a subclass whose :meth:`step` runs
     Steps 2 to 5 for one global batch and returns the global loss."""
@@ -286,7 +287,8 @@ class Replica:
     def __init__(self, task, grid, args, model=None):
         self.args, self.task, self.comm = args, task, grid.dp_comm
         self.model = task.build_model().init(args.seed) if model is None else model
-        self.params = self.model.parameters()
+        self.params = place(self.model.parameters(), replicated=[self.comm])  # a whole replica
+        self.loss_fn = task.loss_fn
         self.rank, self.size = self.comm.rank, self.comm.size
         self.rows = comm.split_rows(args.batch_size, self.size)  # rows of the batch per rank
         self.n = sum(p.size for p in self.params)
@@ -317,7 +319,7 @@ class Replica:
         comm.narrate(f"DP Step 3: rank {self.rank} runs forward and backward on its "
                      f"{x.shape[0]} rows in {len(micro_rows)} micro-batch(es); loss divided by "
                      f"the global {normalizer} targets")
-        loss, loss_fn = 0.0, self.task.loss_fn
+        loss, loss_fn = 0.0, self.loss_fn
         for micro_id, (lo, n) in enumerate(zip(comm.offsets(micro_rows), micro_rows)):
             with TRACE.span("compute", "forward", micro=micro_id):
                 logits = self.model.forward(x[lo:lo + n], micro_id)
@@ -345,7 +347,10 @@ class Replica:
         return {name: B.to_numpy(p.data).copy() for name, p in self.model.named_parameters()}
 
     def optimizer_state_bytes(self):
-        return 0 if self.opt is None else self.opt.state_bytes()
+        return sum(o.state_bytes() for o in self.optimizers())
+
+    def buffers(self):
+        return [self.flat]
 
 
 class MasterScheme(Replica):
@@ -358,6 +363,9 @@ class MasterScheme(Replica):
         self.opt = serial.make_optimizer(args, self.params) if self.is_master else None
         self.flat_sum = B.xp.empty_like(self.flat) if self.is_master else None
         self.meta = None  # trailing shapes and dtypes of x and y, learned from the master
+
+    def buffers(self):
+        return [self.flat, self.flat_sum]  # flat_sum: the Reduce's
 
     def step(self, step):
         dp_comm, r = self.comm, self.rank
@@ -411,6 +419,9 @@ class AllreduceScheme(Replica):
         self.opt = serial.make_optimizer(args, self.params)
         self.sync = GradSync(self.comm, self.params, args.sync, args.bucket_mb, args.overlap)
 
+    def buffers(self):
+        return [self.flat] + [b.flat for b in self.sync.buckets]
+
     def step(self, step):
         self.model.zero_grad()
 
@@ -442,6 +453,12 @@ class ZeroScheme(Replica):
         super().__init__(task, grid, args, model)
         self.opt = ZeroOptimizer(self.comm, self.params, lambda ps: serial.make_optimizer(args, ps))
         self.flat = self.opt.flat[:self.n]  # Step 1's buffer is dropped: the parameters, flat
+
+    def optimizers(self):
+        return [self.opt.opt]  # the elementwise optimizer over this rank's shard
+
+    def buffers(self):
+        return []  # the flat buffers are the parameters and their gradients
 
     def step(self, step):
         self.model.zero_grad()

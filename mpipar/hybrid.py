@@ -89,12 +89,14 @@ from mpipar import tensor_parallel as TP
 from mpipar import zero as Z
 from mpipar.engine import backend as B
 from mpipar.engine import nn
+from mpipar.engine.parameters import place
 from mpipar.mpi import comm
 from mpipar.mpi.grid import Grid
 from mpipar.mpi.trace import TRACE
 from mpipar.parts import plan, tp_models
 from mpipar.parts import sequence_parallel as SP
 from mpipar.parts.schedules import SCHEDULES, Backward
+from mpipar.runner.trainer import Trainer
 
 
 # ----------------------------------------------------------------------------- comm helpers
@@ -133,7 +135,7 @@ class SyncingStage(nn.Sequential):
         return DP.backward_layers(self, dout, micro_id, self.sync.grads_ready)
 
 
-class Hybrid:
+class Hybrid(Trainer):
     """One rank of the 3D trainer: ``__init__`` is Step 2, :meth:`step` Steps 3 to 6 for one
     global batch (Steps 5 and 6 run inside the pipeline, at its optimizer step)."""
 
@@ -152,6 +154,9 @@ class Hybrid:
         self.layer_names = [name for name, _ in tp_model.layers]
         stage = PP.build_stage(tp_model, self.bounds[self.stage_id], args.seed)
         self.stage = stage
+        shards, replicated = TP.split_parameters(stage)
+        place(shards, split=[self.tp_comm, self.pp_comm], replicated=[self.dp_comm])
+        place(replicated, split=[self.pp_comm], replicated=[self.tp_comm, self.dp_comm])
         self.loss_fn = tp_models.tp_loss(task, self.tp_comm) if self.is_last_stage else None
         self.instructions = SCHEDULES[args.schedule](n_stages, self.stage_id, m)
         self.rows = comm.split_rows(args.batch_size, grid.dp_size)  # rows per replica
@@ -166,7 +171,6 @@ class Hybrid:
             last = [ins.micro for ins in self.instructions if isinstance(ins, Backward)][-1]
             self.module = SyncingStage(stage, self.update.sync, last)
         a, b = self.bounds[self.stage_id]
-        shards, replicated = TP.split_parameters(stage)
         comm.narrate(f"HY Step 2: stage {self.stage_id} holds layers "
                      f"{', '.join(self.layer_names[a:b])}: {len(shards)} shards "
                      f"({sum(p.size for p in shards):,} numbers) and {len(replicated)} "
@@ -215,6 +219,26 @@ class Hybrid:
                 "grad_bytes": sum(p.grad.nbytes for p in params + shards if p.grad is not None),
                 "optimizer_bytes": self.update.opt.state_bytes(),
                 "activation_bytes": self.peak_stash_bytes}
+
+    def parameters(self):
+        return self.stage.parameters()
+
+    def optimizers(self):
+        return [self.update.opt]
+
+    def split_groups(self):
+        return [self.tp_comm, self.pp_comm]
+
+    def units(self):
+        return [self.module]  # the stage runs whole
+
+    def wrap_units(self, wrap):
+        self.module = wrap(self.module)
+
+    def buffers(self):  # GradSync's gradient buckets, or ZeRO-2's flat parameters and gradients
+        sync = self.update.sync
+        return [] if sync is None else \
+            [x for b in sync.buckets for x in (b.flat, getattr(b, "flat_grad", None))]
 
     def full_params(self):
         """The whole model on world rank 0 (Step 7), None elsewhere."""

@@ -70,6 +70,7 @@ import numpy as np
 from mpipar import serial
 from mpipar.engine import backend as B
 from mpipar.engine import nn
+from mpipar.engine.parameters import place
 from mpipar.mpi import comm, waiting
 from mpipar.mpi.trace import TRACE
 from mpipar.parts.plan import plan_stages, stage_bounds
@@ -84,6 +85,7 @@ from mpipar.parts.schedules import (
     SendGrad,
     stage_schedule,
 )
+from mpipar.runner.trainer import Trainer
 
 TAG_ACT, TAG_GRAD, TAG_LOSS = 11, 12, 13
 CHUNK_TAG = 100  # a message to model chunk c has the tag TAG_ACT or TAG_GRAD + c * CHUNK_TAG
@@ -128,7 +130,7 @@ def recv_tensor(pp_comm, source, tag, micro_id, rows, dtype, what="a tensor"):
 
 
 # ----------------------------------------------------------------------------- the scheme
-class Pipeline:
+class Pipeline(Trainer):
     """One stage of the pipeline (one rank). ``__init__`` is Step 1; :meth:`step` runs the
     schedule's instructions, which carry out Steps 2 to 8 for one global batch."""
 
@@ -151,7 +153,9 @@ class Pipeline:
             + f" of {len(model.layers)}: {', '.join(names)}")
         chunks = [build_stage(model, self.bounds[x], args.seed) for x in mine]
         self.module = chunks[0] if v == 1 else chunks
-        self.opt = serial.make_optimizer(args, [p for chunk in chunks for p in chunk.parameters()])
+        self.loss_fn = task.loss_fn if self.is_last_stage else None
+        params = place([p for chunk in chunks for p in chunk.parameters()], split=[self.comm])
+        self.opt = serial.make_optimizer(args, params)
         self.instructions = self.schedule_of(stage)
         self.micro_rows = comm.split_rows(args.batch_size, self.n_micro)
         self.peak_stash_bytes = 0
@@ -167,10 +171,22 @@ class Pipeline:
             self.module, self.instructions, self.comm, self.micro_rows,
             inputs=micro_batches(x, m) if self.is_first_stage else None,
             targets=micro_batches(y, m) if self.is_last_stage else None,
-            loss_fn=self.task.loss_fn, normalizer=y.size, optimizer=self.opt,
+            loss_fn=self.loss_fn, normalizer=y.size, optimizer=self.opt,
             measure_stash=not self.peak_stash_bytes)  # the first step's is every step's
         self.peak_stash_bytes = max(self.peak_stash_bytes, result.peak_stash_bytes)
         return share_loss(self.comm, result.loss)
+
+    def parameters(self):
+        return self.opt.params
+
+    def split_groups(self):
+        return [self.comm]  # a stage without parameters still adds its zero to a norm
+
+    def units(self):
+        return chunks_of(self.module)  # a stage (each model chunk) runs whole
+
+    def wrap_units(self, wrap):
+        self.module = wrap(self.module) if self.n_chunks == 1 else [wrap(c) for c in self.module]
 
     def full_params(self):
         comm.narrate("PP Step 9: the parameters stay on their stage; gather them to rank 0 only "

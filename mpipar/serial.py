@@ -14,6 +14,7 @@ import numpy as np
 
 from mpipar.engine import backend as B
 from mpipar.engine import data, nn, optim
+from mpipar.runner.trainer import Trainer
 
 DEFAULTS = {  # per model: what trains well within a minute on 2 cores
     "mlp": dict(steps=300, batch_size=64, lr=0.05, optim="sgd"),
@@ -95,17 +96,18 @@ def train_step(model, loss_fn, opt, x, y):
     return loss
 
 
-class Serial:
+class Serial(Trainer):
     """The reference as a trainer (the runner's interface): the whole model on one process."""
 
     def __init__(self, task, grid, args):
         self.task = task
         self.model = task.build_model().init(args.seed)
         self.opt = make_optimizer(args, self.model.parameters())
+        self.loss_fn = task.loss_fn
 
     def step(self, step):
         x, y = self.task.to_device(*self.task.batch(step))
-        return train_step(self.model, self.task.loss_fn, self.opt, x, y)
+        return train_step(self.model, self.loss_fn, self.opt, x, y)
 
     def full_params(self):
         return {name: B.to_numpy(p.data) for name, p in self.model.named_parameters()}

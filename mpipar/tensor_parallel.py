@@ -84,31 +84,16 @@ from mpi4py import MPI
 from mpipar import serial
 from mpipar.engine import backend as B
 from mpipar.engine import nn
+from mpipar.engine.parameters import Piece, place, put, take
 from mpipar.mpi import comm as C
 from mpipar.parts import sequence_parallel as SP
 from mpipar.parts.sequence_parallel import layer_name
+from mpipar.runner.trainer import Trainer
 
 
 # ----------------------------------------------------------------------------- index helpers
 def _width(ranges):
     return sum(b - a for a, b in ranges)
-
-
-def _at(axis, sl):
-    return (slice(None),) * axis + (sl,)
-
-
-def _select(full, ranges, axis):
-    """The entries of ``full`` at the index ranges along ``axis``, as a new contiguous array."""
-    parts = [full[_at(axis, slice(a, b))] for a, b in ranges]
-    xp = np if isinstance(full, np.ndarray) else B.xp  # a host array stays on the host
-    return parts[0].copy() if len(parts) == 1 else xp.concatenate(parts, axis=axis)
-
-
-def _place(full, part, ranges, axis):
-    """The inverse of :func:`_select`: write ``part`` into ``full`` at the ranges."""
-    for (a, b), off in zip(ranges, C.offsets([b - a for a, b in ranges])):
-        full[_at(axis, slice(a, b))] = part[_at(axis, slice(off, off + b - a))]
 
 
 # -- TP Step 1: split the weight matrices by row or column across the ranks --
@@ -152,11 +137,15 @@ class Shard(nn.Parameter):
 
     def select(self, full, r):
         """Rank r's shard of a full array (parameter, gradient or update)."""
-        return _select(full, self.ranges[r], self.axis)
+        return take(full, ["axis", self.axis, self.ranges[r]])
 
     def place(self, full, part, r):
         """Write rank r's shard into a full array."""
-        _place(full, part, self.ranges[r], self.axis)
+        put(full, ["axis", self.axis, self.ranges[r]], part)
+
+    def pieces(self):
+        return [Piece(self.name, list(self.full_shape),
+                      ["axis", self.axis, [list(r) for r in self.ranges[self.rank]]], None)]
 
 
 def is_sharded(p):
@@ -329,11 +318,11 @@ class GatherFromTP:
         full = B.xp.empty((rows.shape[0], sum(b - a for a, b in self.ranges[0]) * p),
                           dtype=rows.dtype)
         for r in range(p):
-            _place(full, parts[r], self.ranges[r], axis=1)
+            put(full, ["axis", 1, self.ranges[r]], parts[r])
         return full.reshape(y.shape[:-1] + (full.shape[1],))  # (..., n)
 
     def backward(self, dy):
-        return _select(dy, self.ranges[self.tp_comm.rank], axis=dy.ndim - 1)
+        return take(dy, ["axis", dy.ndim - 1, self.ranges[self.tp_comm.rank]])
 
 
 class VocabParallelCrossEntropy(nn.Module):
@@ -380,7 +369,7 @@ class VocabParallelCrossEntropy(nn.Module):
 
 
 # ----------------------------------------------------------------------------- the scheme
-class TensorParallel:
+class TensorParallel(Trainer):
     """One rank of the tensor-parallel group. ``__init__`` builds this rank's shards (Step 1);
     :meth:`step` runs Steps 2 to 5 on the whole batch, which every rank of the group sees."""
 
@@ -390,6 +379,8 @@ class TensorParallel:
         self.task, self.comm = task, grid.tp_comm
         self.model = build_tp_model(task, self.comm).init(args.seed)
         shards, replicated = split_parameters(self.model)
+        place(shards, split=[self.comm])
+        place(replicated, replicated=[self.comm])
         C.narrate(f"TP Step 1: rank {self.comm.rank} holds shards of {len(shards)} matrices "
                   f"({sum(p.size for p in shards):,} numbers) and {len(replicated)} replicated "
                   f"parameters ({sum(p.size for p in replicated):,} numbers)")
@@ -422,6 +413,9 @@ class TensorParallel:
         # -- TP Step 5: distribute the updated parameters for the next batch --
         self.updater.distribute()
         return loss
+
+    def optimizers(self):  # the master update's optimizer is on the master only
+        return [] if self.updater.opt is None else [self.updater.opt]
 
     def full_params(self):
         return gather_full_params(self.model, self.comm)
@@ -480,7 +474,7 @@ class MasterUpdate:
         self.params = model.parameters()
         self.shards, self.replicated = split_parameters(model)
         full = gather_full_params(model, tp_comm, root)  # {name: full array} on the master
-        self.master = None  # the master's full parameters, in canonical order
+        self.master, self.opt = None, None  # the master's full parameters, in canonical order
         if full is not None:
             self.master = [nn.Parameter(*a.shape) for a in full.values()]
             for m, (name, a) in zip(self.master, full.items()):

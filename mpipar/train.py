@@ -64,7 +64,7 @@ class Report:
 
     def header(self):
         a = self.a
-        return f"serial: {a.model} with {self.n_params:,} parameters, {self.training()}, " \
+        return f"{a.scheme}: {a.model} with {self.n_params:,} parameters, {self.training()}, " \
                f"{self.tail()}"
 
     def lines(self):
@@ -318,8 +318,10 @@ def final_line(metrics, loss):
     return ", ".join(parts)
 
 
-def main(scheme, argv=None):
-    """Run ``scheme`` with the command line ``argv``: parse and check, build, train, finish."""
+def main(scheme, argv=None, trainer_cls=None):
+    """Run ``scheme`` with the command line ``argv``: parse and check, build, train, finish.
+    ``trainer_cls``: a trainer of one's own (:mod:`mpipar.runner.trainer`) in place of the
+    scheme's, taking the scheme's flags and grid, and the plain report."""
     comm.install_excepthook()
     B.steady_heap()  # a step reuses the memory pages of the step before
     a = parse_args(scheme, argv)
@@ -342,13 +344,13 @@ def main(scheme, argv=None):
                  f"{grid.world.size} ranks; world_rank = dp*{grid.pp_size * grid.tp_size} + "
                  f"pp*{grid.tp_size} + tp\n{text}")
         return
-    trainer = trainer_class(scheme, a)(task, grid, a)
+    trainer = (trainer_cls or trainer_class(scheme, a))(task, grid, a)
     if a.recompute:
         recompute.apply(trainer, a.recompute)
     if a.clip_grad:
         clip.apply(trainer, a.clip_grad)
     start, loss = checkpoint.load(a.resume, trainer, a) if a.resume else (0, None)
-    report = REPORTS[scheme](a, task, trainer, grid, start)
+    report = (Report if trainer_cls else REPORTS[scheme])(a, task, trainer, grid, start)
     probe = memory.Probe(trainer) if a.memory else None  # counts through the first step
     comm.log(report.header() + (f"\n{B.describe()}" if a.backend == "cupy" else "")
              + (f"\nresumed from {a.resume} after step {start}" if a.resume else ""))

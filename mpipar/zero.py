@@ -75,7 +75,7 @@ quantised and hierarchical collectives.
 from mpipar import serial
 from mpipar.data_parallel import Replica, make_buckets
 from mpipar.engine import backend as B
-from mpipar.engine.nn import Parameter
+from mpipar.engine.parameters import FlatBlock, Placement
 from mpipar.mpi import comm
 from mpipar.mpi.trace import TRACE
 
@@ -93,8 +93,9 @@ class FlatShard:
         self.starts = comm.offsets([p.size for p in self.params])
         flat = comm.flatten([p.data for p in self.params], self.padded())
         lo = dp_comm.rank * self.shard_size
-        self.shard = Parameter(self.shard_size)
+        self.shard = FlatBlock(self.params, lo, self.shard_size)
         self.shard.name = f"{name}, shard {dp_comm.rank}"
+        self.shard.placement = Placement(split=[dp_comm])  # each replica its own block
         self.shard.set(B.to_numpy(flat[lo:lo + self.shard_size]))  # a copy, gradient zeros
         self.flat_grad, self.request = None, None
         self.flat = None  # ZeRO-2's whole parameters (see keep_whole); ZeRO-3 frees them
@@ -288,6 +289,9 @@ class Sharded(Replica):
         self.opt = serial.make_optimizer(self.args, [g.shard for g in groups])
         self.flat = None  # Replica's full flat buffer served the Bcast only
 
+    def buffers(self):
+        return [g.flat_grad for g in self.groups]
+
     def memory(self):
         """Bytes this rank holds now, each buffer once (:mod:`mpipar.runner.memory`): parameters and
         gradients (full and sharded), optimizer state. Between ZeRO-3 steps each is 1/P of the
@@ -354,6 +358,9 @@ class Zero3Scheme(Sharded):
         for g in self.groups:
             g.free_params()
             g.free_grads()
+
+    def parameters(self):
+        return [g.shard for g in self.groups]  # between steps, the only copy of the model
 
     def step(self, step):
         for g in self.groups:

@@ -45,11 +45,13 @@ def serial_params(flags, steps, tmp_path, capsys):
 
 def run_chain(flags, legs, tmp_path, capsys):
     """Each leg (ranks, scheme and its flags, steps) continues from the last one's checkpoint;
-    the end must equal an uninterrupted serial run. Returns the checkpoint folder."""
+    the end must equal an uninterrupted serial run. Returns the checkpoint folder. A scheme
+    named by a path ending in .py is a script (a trainer of the tests' own)."""
     ckpt, saved = tmp_path / "ckpt", tmp_path / "final.npz"
     for i, (ranks, scheme, steps) in enumerate(legs):
-        args = ["-m", f"mpipar.{scheme[0]}", *scheme[1:], *flags, *COMMON, "--steps",
-                str(steps), "--checkpoint", ckpt, "--save-params", saved]
+        target = [scheme[0]] if scheme[0].endswith(".py") else ["-m", f"mpipar.{scheme[0]}"]
+        args = [*target, *scheme[1:], *flags, *COMMON, "--steps", str(steps), "--checkpoint",
+                ckpt, "--save-params", saved]
         out = run_mpi(ranks, args + (["--resume", ckpt] if i else []), timeout=120).stdout
         if i:
             assert f"resumed from {ckpt} after step {legs[i - 1][2]}" in out, out

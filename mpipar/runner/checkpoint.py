@@ -37,6 +37,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpipar.engine import backend as B
+from mpipar.engine.parameters import put, take
 from mpipar.mpi import comm
 
 FORMAT = 1
@@ -44,17 +45,9 @@ FORMAT = 1
 # select: ["all"] | ["axis", axis, [[a, b], ...]] | ["flat", a, b]; array: this rank's live
 # array (loading writes into it); write: whether this rank saves it.
 Slot = namedtuple("Slot", "name kind shape select array write")
-STATE_KINDS = {"SGD": ("momentum",), "Adam": ("adam_m", "adam_v")}
 
 
 # ----------------------------------------------------------------------------- what a rank owns
-def _part(p):
-    """(full shape, selection) of a parameter: a tensor-parallel shard or the whole tensor."""
-    if hasattr(p, "full_shape"):
-        return list(p.full_shape), ["axis", p.axis, [list(r) for r in p.ranges[p.rank]]]
-    return list(p.shape), ["all"]
-
-
 def _state(opt, p):
     """The optimizer's arrays for p, made now if no step has made them yet."""
     if p not in opt.state:
@@ -62,89 +55,33 @@ def _state(opt, p):
     return opt.state[p]
 
 
-def slots(params, opt, writes, part=_part):
-    """Slots of these parameters and, with an optimizer, of their state; ``writes(p)``: does
-    this rank save p (and its state)."""
+def slots(p, arrays, write):
+    """The slots of one array's pieces of the serial model (:meth:`Parameter.pieces`):
+    ``arrays`` are (kind, array) pairs shaped like ``p.data``."""
     out = []
-    for p in params:
-        shape, select = part(p)
-        out.append(Slot(p.name, "param", shape, select, p.data, writes(p)))
-        if opt is not None:
-            kinds = STATE_KINDS[type(opt).__name__]
-            out += [Slot(p.name, kind, shape, select, a, writes(p))
-                    for kind, a in zip(kinds, _state(opt, p))]
-    return out
-
-
-def zero_slots(zopt):
-    """ZeRO-1: this rank's flat shard (its parameters' values and its optimizer state) as runs
-    of the flattened parameters it covers. The values are written by the replicas' rank 0 as
-    whole tensors, so only the state is written here."""
-    lo, out = zopt.comm.rank * zopt.shard_size, []
-    kinds = STATE_KINDS[type(zopt.opt).__name__]
-    arrays = [("param", zopt.shard.data, False)] + \
-        [(k, a, True) for k, a in zip(kinds, _state(zopt.opt, zopt.shard))]
-    for p, start in zip(zopt.params, comm.offsets([p.size for p in zopt.params])):
-        a, b = max(lo, start) - start, min(lo + zopt.shard_size, start + p.size) - start
-        if a < b:  # this parameter's entries a..b are in the shard
-            out += [Slot(p.name, kind, list(p.shape), ["flat", a, b],
-                         arr[start + a - lo:start + b - lo], write)
-                    for kind, arr, write in arrays]
-    return out
-
-
-def flat_shard_slots(trainer, write_values):
-    """ZeRO-2 and ZeRO-3: :func:`zero_slots` of each of the trainer's flat buffers (a bucket, a
-    layer: ``trainer.groups``), all under its one optimizer. ``write_values``: this rank also
-    saves its shard's parameter values (ZeRO-3, where no rank holds them whole)."""
-    from types import SimpleNamespace
-
-    out = []
-    for g in trainer.groups:
-        zopt = SimpleNamespace(comm=g.comm, params=g.params, shard_size=g.shard_size,
-                               shard=g.shard, opt=trainer.opt)
-        out += [s._replace(write=write_values) if s.kind == "param" else s
-                for s in zero_slots(zopt)]
+    for piece in p.pieces():
+        for kind, arr in arrays:
+            part = arr if piece.run is None else arr.reshape(-1)[piece.run[0]:piece.run[1]]
+            out.append(Slot(piece.name, kind, piece.shape, piece.select, part, write))
     return out
 
 
 def slots_of(trainer):
-    """Every slot of this rank, for the trainer's scheme and variant."""
-    kind, rank = type(trainer).__name__, MPI.COMM_WORLD.Get_rank()
-    if kind in ("Serial", "Pipeline"):
-        return slots(trainer.opt.params, trainer.opt, lambda p: True)
-    if kind in ("MasterScheme", "AllreduceScheme"):
-        return slots(trainer.params, trainer.opt, lambda p: trainer.rank == 0)
-    if kind == "ZeroScheme":
-        return slots(trainer.params, None, lambda p: trainer.rank == 0) + zero_slots(trainer.opt)
-    if kind == "Zero2Scheme":  # whole replicas, sharded gradients and state
-        return slots(trainer.params, None, lambda p: trainer.rank == 0) + \
-            flat_shard_slots(trainer, write_values=False)
-    if kind == "Zero3Scheme":  # the shards are the only copy of the parameters
-        return flat_shard_slots(trainer, write_values=True)
-    if kind == "TensorParallel":
-        t, update = trainer.comm.rank, trainer.updater
-        writes = lambda p: hasattr(p, "full_shape") or t == 0  # noqa: E731
-        if not hasattr(update, "master"):  # Megatron's local update
-            return slots(trainer.model.parameters(), update.opt, writes)
-        out = slots(trainer.model.parameters(), None, writes)
-        if update.master is not None:  # the seed's master: full tensors and the optimizer
-            out += slots(update.master, update.opt, lambda p: True)
-        return out
-    if kind == "Hybrid":
-        g = trainer.grid
-        writes = lambda p: g.dp_rank == 0 and (hasattr(p, "full_shape") or g.tp_rank == 0)  # noqa
-        return slots(trainer.stage.parameters(), trainer.update.local.opt, writes)
-    raise TypeError(f"no checkpoint layout for {kind} (rank {rank})")
-
-
-def optimizers_of(trainer):
-    """The optimizer objects of this rank (for Adam's step count)."""
-    found = [getattr(trainer, "opt", None), getattr(getattr(trainer, "opt", None), "opt", None),
-             getattr(getattr(trainer, "updater", None), "opt", None)]
-    if hasattr(trainer, "update"):
-        found.append(trainer.update.local.opt)
-    return [o for o in found if o is not None and hasattr(o, "state")]
+    """Every slot of this rank, by one rule over placements: an array is written by the first
+    rank of the groups that replicate it, and an optimizer's state where its parameter is. An
+    optimizer's own arrays (a ZeRO shard's values, the tensor-parallel master's tensors) are
+    loaded but not written: the model's parameters already hold those values."""
+    model = [p for p in trainer.parameters() if p.data is not None]
+    out = [s for p in model for s in slots(p, [("param", p.data)],
+                                           p.placement.first_of_replicas())]
+    own = {id(p) for p in model}
+    for opt in trainer.optimizers():
+        for p in opt.params:
+            if id(p) not in own:
+                out += slots(p, [("param", p.data)], write=False)
+            out += slots(p, list(zip(opt.state_kinds, _state(opt, p))),
+                         p.placement.first_of_replicas())
+    return out
 
 
 # ----------------------------------------------------------------------------- writing
@@ -223,7 +160,7 @@ def save(directory, trainer, a, steps_done, loss):
     digest = _fsynced(os.path.join(tmp, name), lambda f: np.savez(f, **arrays))
     pieces = [dict(name=s.name, kind=s.kind, shape=s.shape, select=s.select, file=name,
                    key=f"a{i}") for i, s in enumerate(mine)]
-    t = [o.t for o in optimizers_of(trainer) if hasattr(o, "t")]
+    t = [o.t for o in trainer.optimizers() if hasattr(o, "t")]
     gathered = world.gather((name, digest, pieces, t), root=0)  # small metadata: no arrays
     if rank == 0:
         manifest = dict(format=FORMAT, step=steps_done, loss=loss, config=model_config(a),
@@ -290,33 +227,6 @@ def inspect(path, a):
     return manifest, None
 
 
-def _at(axis, sl):
-    return (slice(None),) * axis + (sl,)
-
-
-def put(full, seen, select, value):
-    """Write one piece into the full tensor and mark what it covers."""
-    if select[0] == "all":
-        full[...], seen[...] = value, True
-    elif select[0] == "flat":
-        full.reshape(-1)[select[1]:select[2]] = value.reshape(-1)
-        seen.reshape(-1)[select[1]:select[2]] = True
-    else:
-        axis, ranges = select[1], select[2]
-        for (a, b), off in zip(ranges, comm.offsets([b - a for a, b in ranges])):
-            full[_at(axis, slice(a, b))] = value[_at(axis, slice(off, off + b - a))]
-            seen[_at(axis, slice(a, b))] = True
-
-
-def take(full, select):
-    """This rank's part of a full tensor (the inverse of :func:`put`)."""
-    if select[0] == "all":
-        return full
-    if select[0] == "flat":
-        return full.reshape(-1)[select[1]:select[2]]
-    return np.concatenate([full[_at(select[1], slice(a, b))] for a, b in select[2]], select[1])
-
-
 def assemble(where, pieces, shape, files, key):
     """The full tensor ``key`` = (name, kind) from its pieces, every entry covered."""
     if not pieces:
@@ -327,7 +237,8 @@ def assemble(where, pieces, shape, files, key):
             files[piece["file"]] = np.load(os.path.join(where, piece["file"]), allow_pickle=False)
         value = files[piece["file"]][piece["key"]]
         full = np.empty(shape, dtype=value.dtype) if full is None else full
-        put(full, seen, piece["select"], value)
+        put(full, piece["select"], value)
+        put(seen, piece["select"], np.ones(value.shape, dtype=bool))  # what it covers
     if not seen.all():
         raise ValueError(f"--resume {where}: the pieces of {key[0]} ({key[1]}) leave "
                          f"{int((~seen).sum())} of its {seen.size} entries out: a shard is missing")
@@ -356,7 +267,7 @@ def load(path, trainer, a):
     problems = [p for p in world.allgather(problem) if p]
     if problems:
         comm.refuse(problems[0])
-    for o in optimizers_of(trainer):
+    for o in trainer.optimizers():
         if hasattr(o, "t") and manifest["adam_t"] is not None:
             o.t = manifest["adam_t"]
     return manifest["step"], manifest["loss"]

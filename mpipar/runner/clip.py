@@ -12,17 +12,23 @@ norm must count every entry of the serial model once:
   stage's layers, a ZeRO shard), then the partial sums are added over the groups that split
   the model (one Allreduce of one number over ``tp_comm``, then ``pp_comm``, or ``dp_comm`` for
   ZeRO's shards);
-- a tensor replicated across a group (LayerNorms and biases in tensor parallelism; the whole
-  model in each data-parallel replica) is counted by ONE rank of that group, since every copy
-  holds the same summed gradient.
+- a tensor replicated across a group that is summed over (LayerNorms and biases in tensor
+  parallelism) is counted by ONE rank of that group, since every copy holds the same summed
+  gradient; a group that only replicates (the data-parallel replicas, each with the whole
+  summed gradient) is not summed over at all.
+
+Both come from the parameters' placements (:class:`mpipar.engine.parameters.Placement`): the
+groups they are split over and those they are replicated over. The rule
+(:func:`global_norm`) never asks which trainer it runs in.
 
 Counting a replicated tensor on every rank is the bug production systems have shipped more
 than once: the norm comes out too large, the clipping too strong, and a run still trains, just
 differently. ``tests/test_clip.py`` shows that mistake failing the comparison with the serial
 trainer that the right count passes.
 
-The clipping wraps the ``step`` of the optimizer each trainer updates with (:func:`apply`),
-after the gradients are summed and before the update, so the scheme files need no change.
+The clipping wraps the ``step`` of each optimizer the trainer updates with
+(:meth:`mpipar.runner.trainer.Trainer.optimizers`, :func:`apply`), after the gradients are
+summed and before the update, so the scheme files need no change.
 """
 
 import math
@@ -30,10 +36,7 @@ import math
 import numpy as np
 
 EPS = 1e-6  # PyTorch's: keeps the scale finite for a zero gradient
-
-
-def sum_of_squares(params):
-    return sum(float((p.grad * p.grad).sum()) for p in params)
+ORDER = ("tp", "pp", "dp", "world")  # every rank adds over its groups in this one order
 
 
 def summed(value, groups):
@@ -46,42 +49,22 @@ def summed(value, groups):
     return value
 
 
-def norm_rule(trainer):
-    """(optimizer, norm(params)) pairs: the optimizers to clip and how each finds the global
-    norm from the rank's gradients, by the trainer's scheme."""
-    kind = type(trainer).__name__
-    local = lambda params: math.sqrt(sum_of_squares(params))  # noqa: E731 (whole gradients)
-    if kind in ("Serial", "Pipeline", "MasterScheme", "AllreduceScheme"):
-        groups = [trainer.comm] if kind == "Pipeline" else []  # stages split the model
-        if trainer.opt is None:  # a data-parallel worker: the master updates
-            return []
-        return [(trainer.opt, lambda ps: math.sqrt(summed(sum_of_squares(ps), groups)))]
-    if kind == "ZeroScheme":
-        dp = trainer.comm
-        return [(trainer.opt.opt, lambda ps: math.sqrt(summed(sum_of_squares(ps), [dp])))]
-    if kind in ("Zero2Scheme", "Zero3Scheme"):
-        dp = trainer.comm
-        return [(trainer.opt, lambda ps: math.sqrt(summed(sum_of_squares(ps), [dp])))]
-    if kind == "TensorParallel":
-        update = trainer.updater
-        if hasattr(update, "master"):  # the seed's master update: whole tensors on rank 0
-            return [(update.opt, local)] if update.master is not None else []
-        return [(update.opt, split_norm(trainer.comm, [trainer.comm]))]
-    if kind == "Hybrid":
-        g = trainer.grid
-        return [(trainer.update.local.opt, split_norm(g.tp_comm, [g.tp_comm, g.pp_comm]))]
-    raise TypeError(f"no gradient clipping for {kind}")
+def split_groups(trainer, params):
+    """The groups whose ranks hold other parts of ``params``' model, in :data:`ORDER`: those
+    the placements name, and those the trainer says split its model (a pipeline stage with no
+    parameters still adds its zero)."""
+    groups = {g.name: g for p in params for g in p.placement.split}
+    groups.update((g.name, g) for g in trainer.split_groups())
+    return [groups[name] for name in ORDER if name in groups]
 
 
-def split_norm(tp_comm, groups):
-    """The norm over tensor-parallel shards (summed over the group) and replicated tensors
-    (counted by the group's rank 0 only), then over the other groups that split the model."""
-    def norm(params):
-        shards = [p for p in params if hasattr(p, "full_shape")]
-        replicated = [p for p in params if not hasattr(p, "full_shape")]
-        mine = sum_of_squares(shards) + (sum_of_squares(replicated) if tp_comm.rank == 0 else 0)
-        return math.sqrt(summed(mine, groups))
-    return norm
+def global_norm(params, groups):
+    """sqrt of the sum of g^2 over every entry of the serial model, from this rank's
+    ``params``: each counted here unless a copy on another rank of ``groups`` counts it (a
+    tensor replicated over a group that is summed over is counted by that group's rank 0)."""
+    mine = sum(float((p.grad * p.grad).sum()) for p in params
+               if p.placement.first_of_replicas(groups))
+    return math.sqrt(summed(mine, groups))
 
 
 def clip(params, norm, max_norm):
@@ -95,9 +78,11 @@ def clip(params, norm, max_norm):
 
 def apply(trainer, max_norm):
     """Clip before every update of the trainer's optimizers (their ``step``, in place)."""
-    for opt, norm in norm_rule(trainer):
-        def step(opt=opt, norm=norm, update=opt.step):
-            trainer.grad_norm = clip(opt.params, norm(opt.params), max_norm)
+    for opt in trainer.optimizers():
+        groups = split_groups(trainer, opt.params)
+
+        def step(opt=opt, groups=groups, update=opt.step):
+            trainer.grad_norm = clip(opt.params, global_norm(opt.params, groups), max_norm)
             update()
         opt.step = step
     return trainer

@@ -9,9 +9,9 @@ finds what it does hold, from the arrays the trainer references, with no formula
 1. Find the arrays, by kind (:func:`arrays_of`): parameters, gradients, optimizer state,
    stashed activations (every layer's cache and the loss's) and communication buffers (the
    flat buffers a trainer keeps: gradient buckets, ZeRO's padded buffers, the Bcast buffer).
-   Which attributes hold them depends on the trainer, so :data:`HOLDINGS` maps each trainer
-   class name to them, as :func:`mpipar.runner.checkpoint.slots_of` does: the scheme files need no
-   hook. A pipeline stage's received activations are its first layer's stash: counted there.
+   Every trainer declares them through one interface (:mod:`mpipar.runner.trainer`: its
+   parameters, optimizers, units and buffers), so the ledger never asks which trainer it
+   counts. A pipeline stage's received activations are its first layer's stash: counted there.
 2. Count each buffer once (:func:`count`). Arrays alias: a gradient is a view into its
    bucket's flat buffer, attention's q, k and v are views into one array, a micro-batch is a
    view into the batch. Each array is traced to the array that owns its memory (NumPy's
@@ -43,55 +43,33 @@ HEADINGS = ("parameters", "gradients", "optimizer", "activations", "buffers")
 CALLS = ("forward", "backward", "backward_input", "backward_weight")  # the probe counts after
 
 # ----------------------------------------------------------------------------- 1. the arrays
-# trainer class -> (its Parameters, its optimizer, the flat buffers it keeps between steps)
-HOLDINGS = {
-    "Serial": lambda t: (t.model.parameters(), t.opt, []),
-    # data parallelism: Replica.flat is Step 1's Bcast buffer, kept by ZeRO-0 (ZeRO-1's is a
-    # view of its flat parameters, ZeRO-2 and -3 drop it)
-    "MasterScheme": lambda t: (t.params, t.opt, [t.flat, t.flat_sum]),  # flat_sum: the Reduce's
-    "AllreduceScheme": lambda t: (t.params, t.opt, [t.flat] + [b.flat for b in t.sync.buckets]),
-    "ZeroScheme": lambda t: (t.params + [t.opt.shard], t.opt.opt, []),
-    "Zero2Scheme": lambda t: (t.params + [g.shard for g in t.groups], t.opt,
-                              [g.flat_grad for g in t.groups]),
-    "Zero3Scheme": lambda t: (t.params + [g.shard for g in t.groups], t.opt,
-                              [g.flat_grad for g in t.groups]),
-    # --update master: rank 0 also keeps the full parameters, their gradients and the optimizer
-    "TensorParallel": lambda t: (t.model.parameters() + (getattr(t.updater, "master", None) or []),
-                                 getattr(t.updater, "opt", None), []),
-    "Pipeline": lambda t: (t.opt.params, t.opt, []),
-    # hybrid: ZeRO-1's one flat shard, ZeRO-2's one per bucket (FlatShard: its flat parameters,
-    # kept, and its full flat gradient, during a step only), or GradSync's gradient buckets
-    "Hybrid": lambda t: (t.stage.parameters() + [z.shard for z in t.update.sharded], t.update.opt,
-                         [x for b in t.update.sync.buckets
-                          for x in (b.flat, getattr(b, "flat_grad", None))] if t.update.sync
-                         else []),
-}
-
-
 def units_of(trainer):
-    """The modules whose caches hold the activations, as the trainer calls them: each top-level
-    layer, or a pipeline's stage (each of its chunks) whole; and the loss."""
-    if type(trainer).__name__ in ("Pipeline", "Hybrid"):
-        module = trainer.module
-        units = list(module) if isinstance(module, (list, tuple)) else [module]
-    else:
-        units = [layer for _, layer in trainer.model.layers]
-    loss = trainer.loss_fn if hasattr(trainer, "loss_fn") else trainer.task.loss_fn
-    return units + ([loss] if loss is not None else [])
+    """The modules whose caches hold the activations, as the trainer calls them
+    (:meth:`~mpipar.runner.trainer.Trainer.units`), and the loss."""
+    loss = trainer.loss_fn
+    return trainer.units() + ([loss] if loss is not None else [])
+
+
+def parameters_of(trainer):
+    """Every Parameter this rank references, each once: the model's as the trainer declares
+    them, its optimizers' (a ZeRO shard, the master's full tensors) and its units' (ZeRO-3's
+    layers, whose values exist while they run)."""
+    found = {}
+    for p in trainer.parameters() + [p for o in trainer.optimizers() for p in o.params] \
+            + [p for unit in trainer.units() for p in unit.parameters()]:
+        found.setdefault(id(p), p)
+    return list(found.values())
 
 
 def arrays_of(trainer):
     """{kind: the arrays of that kind this rank's trainer references now} (None: freed)."""
-    kind = type(trainer).__name__
-    if kind not in HOLDINGS:
-        raise TypeError(f"no memory ledger for {kind}: add it to mpipar.runner.memory.HOLDINGS")
-    params, opt, buffers = HOLDINGS[kind](trainer)
+    params = parameters_of(trainer)
     return {"params": [p.data for p in params],
             "grads": [p.grad for p in params],
-            "optimizer": [] if opt is None else [a for s in opt.state.values() for a in s],
+            "optimizer": [a for o in trainer.optimizers() for s in o.state.values() for a in s],
             "activations": [a for unit in units_of(trainer) for m in unit.modules()
                             for saved in m._cache.values() for a in saved],
-            "buffers": buffers}
+            "buffers": trainer.buffers()}
 
 
 # ----------------------------------------------------------------------------- 2. counting

@@ -15,10 +15,12 @@ one more forward per step, about a third more compute (Chen et al. 2016, "Traini
 with sublinear memory cost", arXiv:1604.06174; Megatron-LM's full recomputation, Korthikanti
 et al. 2022, arXiv:2205.05198, section 5).
 
-What is wrapped (:func:`apply`): each layer of the serial and the tensor-parallel model (the
-GPT's embedding, blocks and head; the MLP's layers), and each pipeline stage (or model chunk)
-as a whole, in the pipeline and the hybrid. A tensor-parallel layer's recomputed forward makes
-its Allreduces again (as Megatron's does): one more ``g`` per block and micro-batch.
+What is wrapped (:func:`apply`): each unit the trainer runs in turn
+(:meth:`mpipar.runner.trainer.Trainer.units`): each layer of the serial and the
+tensor-parallel model (the GPT's embedding, blocks and head; the MLP's layers), and each
+pipeline stage (or model chunk) as a whole, in the pipeline and the hybrid. A tensor-parallel
+layer's recomputed forward makes its Allreduces again (as Megatron's does): one more ``g`` per
+block and micro-batch.
 
 ``--recompute selective`` (:func:`selective`, Korthikanti et al. 2022, section 5) recomputes
 only the attention core: the scores q k^T, the causal mask, the softmax and the product with
@@ -91,24 +93,12 @@ def selective(modules):
                 m.__class__ = SELECTIVE[cls]
 
 
-def wrap_layers(model):
-    """Every layer of an nn.Sequential recomputed on its own."""
-    model.layers = [(name, Recomputed(layer)) for name, layer in model.layers]
-    return model
-
-
 def apply(trainer, how="full"):
-    """Turn recomputation on in a trainer (before its first step): ``how`` "full" (each layer
-    or stage) or "selective" (attention's core)."""
-    kind = type(trainer).__name__
-    if how == "selective" and kind in ("Serial", "TensorParallel", "Pipeline", "Hybrid"):
-        module = trainer.model if kind in ("Serial", "TensorParallel") else trainer.module
-        selective(module if isinstance(module, list) else [module])
-    elif kind in ("Serial", "TensorParallel"):
-        wrap_layers(trainer.model)
-    elif kind in ("Pipeline", "Hybrid"):
-        chunks = trainer.module if isinstance(trainer.module, list) else None
-        trainer.module = [Recomputed(c) for c in chunks] if chunks else Recomputed(trainer.module)
+    """Turn recomputation on in a trainer (before its first step): ``how`` "full" (each of its
+    units, :meth:`~mpipar.runner.trainer.Trainer.units`: a layer, a stage, a model chunk) or
+    "selective" (attention's core, in every unit)."""
+    if how == "selective":
+        selective(trainer.units())
     else:
-        raise TypeError(f"no recomputation for {kind}")
+        trainer.wrap_units(Recomputed)
     return trainer

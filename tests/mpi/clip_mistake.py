@@ -8,11 +8,10 @@ from mpipar import train
 from mpipar.runner import clip
 
 
-def split_norm_counting_replicas_everywhere(tp_comm, groups):
-    def norm(params):
-        return math.sqrt(clip.summed(clip.sum_of_squares(params), groups))  # the bug
-    return norm
+def norm_counting_replicas_everywhere(params, groups):
+    mine = sum(float((p.grad * p.grad).sum()) for p in params)  # the bug: no replica skipped
+    return math.sqrt(clip.summed(mine, groups))
 
 
-clip.split_norm = split_norm_counting_replicas_everywhere
+clip.global_norm = norm_counting_replicas_everywhere
 train.main("tensor_parallel", sys.argv[1:])
