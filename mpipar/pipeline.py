@@ -62,7 +62,6 @@ optimizer step that does not wait for a global check (its post-validation); over
 next step's forward with this step's optimizer; a separate loss-scale for mixed precision.
 """
 
-import os
 from collections import namedtuple
 
 import numpy as np
@@ -71,7 +70,7 @@ from mpipar import serial
 from mpipar.engine import backend as B
 from mpipar.engine import nn
 from mpipar.engine.parameters import place
-from mpipar.mpi import comm, waiting
+from mpipar.mpi import comm
 from mpipar.mpi.trace import TRACE
 from mpipar.parts.plan import plan_stages, stage_bounds
 from mpipar.parts.schedules import (
@@ -140,8 +139,6 @@ class Pipeline(Trainer):
         v = self.n_chunks
         p, stage = self.comm.size, self.comm.rank
         self.is_first_stage, self.is_last_stage = stage == 0, stage == p - 1
-        if not os.environ.get("MPIPAR_WAIT"):  # a stage waits a micro-batch's compute: long
-            comm.WAIT = waiting.default(comm.OVERSUBSCRIBED, long_waits=True)
 
         # -- PP Step 1: split the model by layer into consecutive stages, one per rank --
         counts, self.flops = plan_stages(task, p * v, self.n_micro, args.partition)

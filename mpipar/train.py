@@ -330,6 +330,7 @@ def main(scheme, argv=None, trainer_cls=None):
         return
     check_paths(a)
     comm.start_watchdog(a.timeout)  # a rank that waits longer in one call ends the job
+    comm.choose_wait(long_waits=scheme == "pipeline")  # a stage waits a micro-batch's compute
     task = serial.Task(a)
     check_model(scheme, a, task)
     comm.EXPLAIN = a.explain

@@ -54,10 +54,20 @@ SSEND = _env("MPIPAR_SSEND", ("0", "1")) == "1"
 
 
 # ----------------------------------------------------------------------------- waiting
-# how a rank waits: MPIPAR_WAIT, else backoff when ranks outnumber cores, else "spin" (MPI's own
-# Wait); a pipeline stage sets the default for long waits (waiting.default)
-OVERSUBSCRIBED = B.on_this_machine()[1] > max(B.cores(), 1)  # more ranks here than cores
-WAIT = _env("MPIPAR_WAIT", tuple(waiting.STRATEGIES)) or waiting.default(OVERSUBSCRIBED)
+GIVEN_WAIT = _env("MPIPAR_WAIT", tuple(waiting.STRATEGIES))  # None: choose_wait picks
+WAIT = GIVEN_WAIT  # how a rank waits (mpipar.mpi.waiting); None until chosen: MPI's own Wait
+
+
+def choose_wait(long_waits=False):
+    """Set :data:`WAIT`: ``MPIPAR_WAIT`` if it names a strategy, else :func:`waiting.default` for
+    this job: do its ranks outnumber the cores of their machine, and are its waits long (a
+    pipeline stage waits for a micro-batch's compute). A collective over COMM_WORLD (it asks
+    which ranks share the machine): the runner calls it on every rank before it builds the
+    grid, and :class:`mpipar.mpi.grid.Grid` does where nothing has chosen yet."""
+    global WAIT
+    oversubscribed = B.on_this_machine()[1] > max(B.cores(), 1)
+    WAIT = GIVEN_WAIT or waiting.default(oversubscribed, long_waits)
+    return WAIT
 
 
 def wait(request, status=None, call=("", "MPI request", "", "")):
@@ -68,7 +78,7 @@ def wait(request, status=None, call=("", "MPI request", "", "")):
     ``call`` (comm name, op, detail, what) is what the watchdog names if the wait never ends."""
     FLIGHT.waiting = (_now(), *call)
     try:
-        waiting.STRATEGIES[WAIT](request, status)
+        waiting.STRATEGIES[WAIT or "spin"](request, status)
     finally:
         FLIGHT.waiting = None
 

@@ -19,6 +19,7 @@ import argparse
 
 from mpi4py import MPI
 
+from mpipar.mpi import comm
 from mpipar.mpi.comm import Comm, install_excepthook, refuse
 from mpipar.mpi.explain import say
 
@@ -37,6 +38,8 @@ class Grid:
             valid = ", ".join(f"--dp {d} --tp {t} --pp {p}" for d, t, p in layouts(n))
             refuse(f"dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp}, but the job has {n} ranks. "
                    f"Layouts for {n} ranks: {valid}")
+        if comm.WAIT is None:  # a job without the runner: the default way to wait
+            comm.choose_wait()
         self.world = Comm(mpi_comm, "world")
         self.dp_size, self.tp_size, self.pp_size = dp, tp, pp
         rank = self.world.rank

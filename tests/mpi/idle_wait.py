@@ -11,6 +11,7 @@ import numpy as np
 from mpipar.mpi import comm as C
 
 C.install_excepthook()
+C.choose_wait()  # as the runner does: the default for this machine, or MPIPAR_WAIT
 w = C.world()
 LATE = 1.0  # seconds rank 0 keeps everyone waiting
 

@@ -76,12 +76,14 @@ def formula(a, trainer, n):
 
 def build(experiment, world_size):
     from mpipar import serial
+    from mpipar.mpi import comm
     from mpipar.mpi.grid import Grid
     from mpipar.runner import recompute
     from mpipar.runner.cli import parse_args
     from mpipar.train import trainer_class
 
-    built, data = [], None
+    built, data = [], None  # a pipeline's experiment waits as the runner's pipeline does
+    comm.choose_wait(long_waits=any(s == "pipeline" for _, s, _ in CONFIGS[experiment]))
     for name, scheme, flags in CONFIGS[experiment]:
         a = parse_args(scheme, MODELS[experiment] + COMMON + flags)
         task = serial.Task(a, data)  # the data depends on the model flags only
