@@ -66,27 +66,50 @@ def test_a_run_resumed_on_other_layouts_equals_the_serial_run(chain, tmp_path, c
     assert len(os.listdir(ckpt)) == 2  # --keep 2: the last two, no temporary folder left
 
 
+def complete(ckpt):
+    """The steps of the checkpoints in ``ckpt`` that have a manifest."""
+    if not ckpt.exists():
+        return []
+    return sorted(int(n.split("-")[1]) for n in os.listdir(ckpt)
+                  if n.startswith("step-") and (ckpt / n / "manifest.json").exists())
+
+
+def kill_during_a_write(proc, ckpt, after, within=120):
+    """Kill every rank of ``proc`` once a checkpoint past step ``after`` is complete and the
+    next one's folder is being written (moments set by the run's progress, not a clock)."""
+    deadline = time.monotonic() + within
+    while not (complete(ckpt) and complete(ckpt)[-1] > after
+               and any(n.startswith(".tmp-step-") for n in os.listdir(ckpt))):
+        assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before the kill"
+        assert time.monotonic() < deadline, f"no checkpoint past step {after} in {within} s"
+        time.sleep(0.001)
+    os.killpg(proc.pid, signal.SIGKILL)  # every rank at once, mid-write
+    proc.wait()
+
+
 def test_a_kill_during_the_writes_leaves_the_last_checkpoint_whole(tmp_path, capsys):
-    """Kill the job at moments spread over a run that writes a checkpoint every step; each
-    time the newest complete checkpoint resumes to exactly the serial run."""
+    """Kill the job three times, each during a checkpoint's write a few steps after it resumed;
+    every step-N folder left is whole, at most --keep + 1 of them (a kill between a rename and
+    the pruning), and the newest resumes to exactly the serial run."""
     flags = GPT + ["--optim", "adam"] + COMMON
     ckpt, saved = tmp_path / "ckpt", tmp_path / "final.npz"
     cmd = [find_mpirun(), "-n", "2", sys.executable, "-m", "mpipar.data_parallel",
            "--sync", "allreduce", "--zero", "1", *flags, "--steps", "400",
            "--checkpoint", str(ckpt), "--checkpoint-every", "1", "--keep", "3"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    for i, delay in enumerate((2.5, 3.1, 3.7)):  # each launch resumes where the last died
+    for i in range(3):  # each launch resumes where the last died
+        start = complete(ckpt)[-1] if i else 0
         proc = subprocess.Popen(cmd + ["--resume", str(ckpt)] * (i > 0), cwd=ROOT, env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 start_new_session=True)
-        time.sleep(delay)
-        os.killpg(proc.pid, signal.SIGKILL)  # every rank at once, mid-step or mid-write
-        proc.wait()
-    done = sorted(n for n in os.listdir(ckpt) if n.startswith("step-"))
-    assert len(done) == 3, os.listdir(ckpt)  # --keep 3 (and a write cut short, usually)
-    last = int(done[-1].split("-")[1])
+        kill_during_a_write(proc, ckpt, after=start + 4)
+        names = [n for n in os.listdir(ckpt) if n.startswith("step-")]
+        assert len(names) == len(complete(ckpt)) in (3, 4), names  # none half written or pruned
+    last = complete(ckpt)[-1]
     run_mpi(2, ["-m", "mpipar.pipeline", "--timeline", "none", *flags, "--steps", str(last + 2),
-                "--resume", ckpt, "--save-params", saved], timeout=120)
+                "--checkpoint", ckpt, "--checkpoint-every", "1", "--keep", "3", "--resume", ckpt,
+                "--save-params", saved], timeout=120)
+    assert complete(ckpt)[-3:] == [last, last + 1, last + 2] and len(os.listdir(ckpt)) == 3
     assert_params_close(train.load_params(saved),
                         serial_params(GPT + ["--optim", "adam"], last + 2, tmp_path, capsys))
 

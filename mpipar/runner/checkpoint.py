@@ -20,7 +20,11 @@ run may resume on any layout: ZeRO-1 on 4 ranks, then a pipeline on 2, then tens
 
 Writes are atomic: a checkpoint is written into ``DIR/.tmp-step-N``, every file is flushed to
 disk, and only when every rank has finished does rank 0 rename it ``DIR/step-N``; the previous
-checkpoint stays valid until then, and the last ``--keep`` are kept. Loading refuses, on every
+checkpoint stays valid until then. Then the oldest beyond the last ``--keep N`` are pruned, each
+renamed ``DIR/.old-step-N`` at once (no longer a checkpoint) before its files are deleted, so a
+kill mid-deletion leaves no half checkpoint that looks whole. A job killed between a checkpoint's
+rename and the pruning leaves N + 1 whole checkpoints; the next one written prunes to N, and every
+``step-N`` folder is complete whenever the job dies. Loading refuses, on every
 rank with exit code 2, a missing or corrupt file, a piece that does not cover its tensor, and a
 model, dtype, optimizer, seed or batch size other than the run's.
 
@@ -150,7 +154,7 @@ def save(directory, trainer, a, steps_done, loss):
     tmp = os.path.join(directory, f".tmp-step-{steps_done:08d}")
     if rank == 0:
         for name in os.listdir(directory):  # what a killed run left behind
-            if name.startswith(".tmp-step-"):
+            if name.startswith((".tmp-step-", ".old-step-")):
                 shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
         os.makedirs(tmp)
     world.barrier()
@@ -171,13 +175,23 @@ def save(directory, trainer, a, steps_done, loss):
         text = json.dumps(manifest, indent=1).encode()
         _fsynced(os.path.join(tmp, "manifest.json"), lambda f: f.write(text))
         _sync_dir(tmp)
-        shutil.rmtree(final, ignore_errors=True)
+        if os.path.exists(final):  # this step written before (a run resumed from an older one)
+            retire(directory, os.path.basename(final))
         os.rename(tmp, final)  # the checkpoint exists from here on, whole
         _sync_dir(directory)
         for old in sorted(checkpoints(directory))[:-max(a.keep, 1)]:
-            shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
+            retire(directory, old)
     world.barrier()
     return final
+
+
+def retire(directory, name):
+    """Delete checkpoint ``name``: renamed ``.old-<name>`` first (one atomic step, after which it
+    is no checkpoint), then its files."""
+    gone = os.path.join(directory, f".old-{name}")
+    os.rename(os.path.join(directory, name), gone)
+    _sync_dir(directory)
+    shutil.rmtree(gone, ignore_errors=True)
 
 
 def checkpoints(directory):
