@@ -16,11 +16,6 @@ from mpipar.engine import backend as B
 from mpipar.engine import data, nn, optim
 from mpipar.runner.trainer import Trainer
 
-DEFAULTS = {  # per model: what trains well within a minute on 2 cores
-    "mlp": dict(steps=300, batch_size=64, lr=0.05, optim="sgd"),
-    "gpt": dict(steps=250, batch_size=32, lr=3e-3, optim="adam"),
-}
-
 
 class Task:
     """A model, its data and its loss, built identically on every rank."""

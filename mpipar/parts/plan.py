@@ -1,6 +1,6 @@
 """Pure planning: per-layer forward FLOPs and output shapes, the balanced partition into
-stages, stage bounds, and about how much activation memory a step needs (to refuse a batch
-that cannot fit before any rank starts).
+stages, stage bounds, about how much activation memory a step needs (to refuse a batch that
+cannot fit before any rank starts) and whether a model splits over t tensor-parallel ranks.
 
 The layers in :mod:`mpipar.engine.nn` know how to run forward and backward and nothing else; what a
 layer costs is read here from its parameters' shapes, one rule per layer type. The pipeline
@@ -146,3 +146,32 @@ def activation_bytes(a):
 def memory_bytes():
     """This machine's memory."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def tp_size_problem(a, t, vocab=None):
+    """Why this model cannot be split over t tensor-parallel ranks (one sentence), or None.
+    The vocabulary is split into near-equal blocks, so it only needs at least t entries."""
+    def not_divisible(what, n):
+        near = sorted({max(t, n - n % t), n - n % t + t})
+        return (f"{what} {n} is not divisible by the {t} tensor-parallel ranks; rank counts "
+                f"that divide it: {', '.join(map(str, _divisors(n)))} (or make it "
+                f"{' or '.join(map(str, near))} for {t} ranks)")
+
+    if a.model == "gpt":
+        if a.d_model % t:
+            return not_divisible("the hidden size --d-model", a.d_model)
+        if a.n_heads % t:
+            return not_divisible("the head count --n-heads", a.n_heads)
+        if vocab is not None and vocab < t:
+            return (f"the vocabulary has {vocab} entries, fewer than the {t} tensor-parallel "
+                    f"ranks; use at most {vocab} ranks")
+        return None
+    for i in range(0, len(a.sizes) - 2, 2):  # column-parallel layers split their output width
+        if a.sizes[i + 1] % t:
+            return not_divisible(f"--sizes entry {i + 1} (the output width of fc{i}, split by "
+                                 f"columns)", a.sizes[i + 1])
+    return None

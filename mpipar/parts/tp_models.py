@@ -3,7 +3,8 @@ same flat nn.Sequential and canonical names as :mod:`mpipar.engine.nn`'s models,
 cut them into stages, and each shard starts at its slice of the serial initial weights.
 
 How the models are split is in the docstring of :mod:`mpipar.tensor_parallel` (Step 1);
-:func:`tp_size_problem` says why a model cannot be split over t ranks (the runner refuses it).
+:func:`mpipar.parts.plan.tp_size_problem` says why a model cannot be split over t ranks (the runner
+refuses it).
 With ``--sequence-parallel`` the GPT's blocks, embedding and head swap ``f`` and ``g`` for the
 sequence-splitting ``f'`` and ``g'`` of :mod:`mpipar.parts.sequence_parallel` (its docstring says
 how).
@@ -184,32 +185,3 @@ def parallel_mlp(sizes, tp_comm):
         if i < n - 1:
             layers.append((f"act{i}", nn.ReLU()))
     return nn.Sequential(layers)
-
-
-def _divisors(n):
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def tp_size_problem(a, t, vocab=None):
-    """Why this model cannot be split over t tensor-parallel ranks (one sentence), or None.
-    The vocabulary is split into near-equal blocks, so it only needs at least t entries."""
-    def not_divisible(what, n):
-        near = sorted({max(t, n - n % t), n - n % t + t})
-        return (f"{what} {n} is not divisible by the {t} tensor-parallel ranks; rank counts "
-                f"that divide it: {', '.join(map(str, _divisors(n)))} (or make it "
-                f"{' or '.join(map(str, near))} for {t} ranks)")
-
-    if a.model == "gpt":
-        if a.d_model % t:
-            return not_divisible("the hidden size --d-model", a.d_model)
-        if a.n_heads % t:
-            return not_divisible("the head count --n-heads", a.n_heads)
-        if vocab is not None and vocab < t:
-            return (f"the vocabulary has {vocab} entries, fewer than the {t} tensor-parallel "
-                    f"ranks; use at most {vocab} ranks")
-        return None
-    for i in range(0, len(a.sizes) - 2, 2):  # column-parallel layers split their output width
-        if a.sizes[i + 1] % t:
-            return not_divisible(f"--sizes entry {i + 1} (the output width of fc{i}, split by "
-                                 f"columns)", a.sizes[i + 1])
-    return None

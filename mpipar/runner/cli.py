@@ -12,13 +12,15 @@ import math
 
 from mpi4py import MPI
 
-from mpipar import serial
 from mpipar.engine import backend as B
 from mpipar.mpi import comm
-from mpipar.parts.plan import activation_bytes, memory_bytes
+from mpipar.parts.plan import activation_bytes, memory_bytes, tp_size_problem
 from mpipar.parts.schedules import CHOICES, SCHEDULES, SPLIT
-from mpipar.parts.tp_models import tp_size_problem
 
+DEFAULTS = {  # per model: what trains well within a minute on 2 cores
+    "mlp": dict(steps=300, batch_size=64, lr=0.05, optim="sgd"),
+    "gpt": dict(steps=250, batch_size=32, lr=3e-3, optim="adam"),
+}
 SCHEMES = ("serial", "data_parallel", "tensor_parallel", "pipeline", "hybrid")
 DEFAULT_TIMELINE = "pipeline-timeline.png"
 
@@ -26,7 +28,7 @@ DEFAULT_TIMELINE = "pipeline-timeline.png"
 # ----------------------------------------------------------------------------- flags
 def common_flags(ap, scheme):
     """The flags every trainer shares. Per-model defaults (steps, batch, lr, optimizer) are
-    filled in after parsing (serial.DEFAULTS), so ``--help`` names them per model."""
+    filled in after parsing (:data:`DEFAULTS`), so ``--help`` names them per model."""
     deep = scheme in ("pipeline", "hybrid")  # the GPT by default where stages need layers
     g = ap.add_argument_group("training (shared by every scheme)")
     g.add_argument("--model", choices=["mlp", "gpt"], default="gpt" if deep else "mlp",
@@ -317,7 +319,7 @@ def complete(a, scheme, n):
     """Fill what the flags leave open: the model's defaults, the flags a scheme does not have,
     and the grid (dp, tp, pp) of n ranks, so that every scheme's options look alike."""
     a.scheme, a.n = scheme, n
-    for key, value in serial.DEFAULTS[a.model].items():
+    for key, value in DEFAULTS[a.model].items():
         if getattr(a, key) is None:
             setattr(a, key, value)
     absent = dict(explain=False, micro_batches=1, chunks=1, partition=None, bucket_mb=None,

@@ -20,7 +20,7 @@ from mpipar.mpi import comm as C
 from mpipar.mpi.grid import Grid
 from mpipar.mpi.trace import TRACE
 from mpipar.parts import tp_models as tpm
-from mpipar.parts.tp_models import tp_size_problem
+from mpipar.parts.plan import tp_size_problem
 from mpipar.runner.cli import parse_args
 
 TRACE.calls = True  # the checks read each MPI call's span
