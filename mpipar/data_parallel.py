@@ -334,11 +334,11 @@ class Replica(Trainer):
         return loss
 
     def global_loss(self, loss):
-        """The sum of the replicas' losses, on every rank (the runner stops every rank at once
-        when it is not finite): one 8-byte Allreduce, not a pickled allgather of P floats.
-        Posted now, before Step 4's sync; calling what this returns waits for it."""
-        return self.comm.start_sum_float(
-            loss, what="the replicas' losses, to print; waited for after Step 5")
+        """The sum of the replicas' losses, on every rank, for the runner to print (and to stop
+        every rank at once when it is not finite); the same on every rank, which adds the same
+        list in the same order. Its cost: one small pickled allgather a step, a round every
+        rank must reach, after Step 5 (not counted in ``Comm.stats``: not the scheme's data)."""
+        return sum(self.comm.allgather_obj(loss, what="the replicas' losses, to print"))
 
     def full_params(self):
         """Every replica holds the whole model: rank 0's, under the serial names."""
@@ -389,8 +389,7 @@ class MasterScheme(Replica):
             dp_comm.Scatterv(y_all, self.rows, y, what="the batch's targets")
 
         # -- DP Step 3: each worker runs forward and backward on its shard --
-        loss_sum = self.global_loss(self.forward_backward(x, y, self.args.batch_size *
-                                                          math.prod(y_tail)))
+        loss = self.forward_backward(x, y, self.args.batch_size * math.prod(y_tail))
 
         # -- DP Step 4: the gradients are summed (Reduce to the master) and the model updated --
         comm.narrate(f"DP Step 4: Reduce(SUM) of {self.n:,} gradient values "
@@ -406,7 +405,7 @@ class MasterScheme(Replica):
         comm.narrate("DP Step 5: rank 0 broadcasts the updated parameters")
         with TRACE.span("sync", "DP Step 5"):
             bcast_params(dp_comm, self.params, self.flat, root=0)
-        return loss_sum()
+        return self.global_loss(loss)
 
 
 class AllreduceScheme(Replica):
@@ -430,7 +429,6 @@ class AllreduceScheme(Replica):
 
         # -- DP Step 3: each worker runs forward and backward on its shard --
         loss = self.forward_backward(x, y, normalizer, self.sync if self.args.overlap else None)
-        loss_sum = self.global_loss(loss)
 
         # -- DP Step 4: the gradients are summed (Allreduce or ring, by bucket); all update --
         comm.narrate(f"DP Step 4: {self.args.sync} of the gradients in {len(self.sync.buckets)} "
@@ -441,7 +439,7 @@ class AllreduceScheme(Replica):
 
         # -- DP Step 5: nothing to broadcast: every replica made the same update --
         comm.narrate("DP Step 5: nothing to send: every replica made the same update")
-        return loss_sum()
+        return self.global_loss(loss)
 
 
 class ZeroScheme(Replica):
@@ -467,7 +465,7 @@ class ZeroScheme(Replica):
         x, y, normalizer = self.own_rows(step)
 
         # -- DP Step 3: each worker runs forward and backward on its shard --
-        loss_sum = self.global_loss(self.forward_backward(x, y, normalizer))
+        loss = self.forward_backward(x, y, normalizer)
 
         # -- DP Step 4: Reduce_scatter of the gradients; each rank updates its own shard --
         comm.narrate(f"DP Step 4: Reduce_scatter of the gradients; rank {self.rank} updates its "
@@ -481,7 +479,7 @@ class ZeroScheme(Replica):
                      "parameters in all)")
         with TRACE.span("sync", "DP Step 5"):
             self.opt.allgather_params()
-        return loss_sum()
+        return self.global_loss(loss)
 
 
 if __name__ == "__main__":

@@ -320,7 +320,6 @@ class Zero2Scheme(Sharded):
 
         # -- DP Step 3: each worker runs forward and backward on its shard --
         loss = self.forward_backward(x, y, normalizer, self.sync if self.args.overlap else None)
-        loss_sum = self.global_loss(loss)
 
         # -- DP Step 4: Reduce_scatter of the gradients, bucket by bucket; each rank updates its
         # shards --
@@ -337,7 +336,7 @@ class Zero2Scheme(Sharded):
         with TRACE.span("sync", "DP Step 5"):
             for b in self.groups:
                 b.gather_params("updated")
-        return loss_sum()
+        return self.global_loss(loss)
 
 
 class Zero3Scheme(Sharded):
@@ -395,8 +394,7 @@ class Zero3Scheme(Sharded):
         comm.narrate(f"Z3 Step 5: rank {self.rank} updates its shards with its 1/{self.size} of "
                      "the optimizer state; nothing to send")
         self.opt.step()
-        # nothing is left to overlap: posted and waited for at once, blocking
-        return self.comm.start_sum_float(loss, "the replicas' losses, to print", "Allreduce")()
+        return self.global_loss(loss)
 
     def each_gathered(self, layers, why):
         """Each (layer, its FlatShard or None) of ``layers``, its parameters gathered while the

@@ -4,11 +4,10 @@ Arrays never travel this way: :class:`mpipar.mpi.comm.Comm` sends them through t
 checked and counted. A batch's shapes, a step number, a count per stage or a report does, and
 these calls, which every ``Comm`` has, carry it. They are blocking mpi4py calls that never pass
 through :func:`mpipar.mpi.comm.wait`, so they set the flight recorder's ``waiting`` themselves:
-the watchdog names them too. One float to sum (a loss) is here too, through the buffer API
-and ``wait``. None is counted in ``Comm.stats``, which hold the traffic of the scheme itself.
+the watchdog names them too. None is counted in ``Comm.stats``, which hold the traffic of the
+scheme itself.
 """
 
-import numpy as np
 from mpi4py import MPI
 
 from mpipar.mpi import explain
@@ -38,22 +37,4 @@ class PickledCalls:
         finally:
             FLIGHT.waiting = None
         FLIGHT.recent.append((MPI.Wtime(), self.name, op, detail, what))
-        return result
-
-    def start_sum_float(self, value, what="", op="Iallreduce"):
-        """The sum over the ranks of one float (a loss to print and check), posted now: returns
-        the function that waits for it and gives it. An 8-byte (I)Allreduce through the buffer
-        API, completed by :func:`mpipar.mpi.comm.wait` like every call. Posted before a step's
-        gradient sync and finished after it, the 8 bytes move during that sync's waits instead
-        of holding every rank for a round of their own (4 ranks on 2 cores: a round needs all
-        four to run)."""
-        buf, call = np.array([float(value)]), (self.name, op, "sum of one float", what)
-        self.say(f"{op:<14} {call[2]:<34} {'8 B':>9}{explain.about(what)}")
-        request = self.mpi.Iallreduce(MPI.IN_PLACE, buf)
-        from mpipar.mpi.comm import wait  # here: mpipar.mpi.comm imports this module
-
-        def result():
-            wait(request, None, call)
-            FLIGHT.recent.append((MPI.Wtime(), *call))
-            return float(buf[0])
         return result
