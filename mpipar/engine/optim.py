@@ -4,36 +4,9 @@ Each update is elementwise, so updating a shard of a parameter gives exactly the
 full update: the data-parallel ZeRO mode and the tensor-parallel shards rely on this.
 State is kept per parameter, keyed by the Parameter object (``state_bytes`` reports its size,
 which ZeRO divides by the number of ranks).
-
-Because every update is elementwise, :meth:`Optimizer.step` also runs it on NumPy in blocks of
-BLOCK values: a block's weight, gradient, state and temporaries stay in the core's cache between
-the update's four or five array operations, so each array crosses memory once per step instead
-of once per operation (SGD with momentum on the data-parallel benchmark's 2.2 M float32
-parameters, caches cold: 2.5 ms -> 1.6 ms on one core here, with a 2 MiB L2 per core). The
-result is bitwise the same as one operation over the whole array.
-
-The blocks' views are made once per parameter and reused while its arrays stay the same: a
-small model's step is mostly Python time (the 14 parameters of a 7-layer MLP 4 wide: 45 -> 29
-us of CPU time a step here).
 """
 
 from mpipar.engine import backend as B
-
-BLOCK = 1 << 16  # values per block: 256 KiB of float32 per array; an update's 5-6 fit in L2
-
-
-def blocks(n):
-    """Slices covering range(n): BLOCK values each on NumPy, one slice on CuPy (a GPU kernel
-    already streams through memory once; more launches would only add latency)."""
-    step = BLOCK if B.xp.__name__ == "numpy" else max(n, 1)
-    return [slice(i, min(i + step, n)) for i in range(0, n, step)]
-
-
-def _flat(a):
-    """A 1-D view of ``a`` (never a copy, which would silently drop the update)."""
-    if not a.flags.c_contiguous:
-        raise ValueError(f"optimizer arrays must be C-contiguous, got strides {a.strides}")
-    return a.reshape(-1)
 
 
 class Optimizer:
@@ -43,34 +16,19 @@ class Optimizer:
         self.params = list(params)
         self.lr = lr
         self.state = {}  # Parameter -> tuple of arrays shaped like the parameter
-        self.views = {}  # Parameter -> (data, grad, state, [(w, g, *state) of each block])
 
     def step(self):
-        update = self.update
         for p in self.params:
-            for arrays in self.blocks_of(p):
-                update(*arrays)
-
-    def blocks_of(self, p):
-        """[(w, g, *state)]: 1-D views of each block of ``p``'s arrays, made again only when
-        its data, gradient or state is a new array (a bucket's view, a loaded checkpoint)."""
-        grad, state = p.grad, self.state.get(p)  # (reading grad writes any deferred zeros)
-        known = self.views.get(p)
-        if known and known[0] is p.data and known[1] is grad and known[2] is state:
-            return known[3]
-        if state is None:
-            state = self.state[p] = self.new_state(p)
-        flat = [_flat(a) for a in (p.data, grad) + state]
-        pieces = [tuple(a[s] for a in flat) for s in blocks(p.size)]
-        self.views[p] = (p.data, grad, state, pieces)
-        return pieces
+            if p not in self.state:
+                self.state[p] = self.new_state(p)
+            self.update(p.data, p.grad, *self.state[p])
 
     def new_state(self, p):
         """The optimizer's per-parameter arrays (zeros, shaped like the parameter)."""
         return ()
 
     def update(self, w, g, *state):
-        """Update the weights ``w`` in place from their gradient ``g`` (same-shape views)."""
+        """Update the weights ``w`` in place from their gradient ``g`` and the state."""
         raise NotImplementedError
 
     def zero_grad(self):
