@@ -22,16 +22,8 @@ while MPI buffers small messages deadlocks at once in the tests; ``MPIPAR_WAIT``
 a rank waits: ``spin`` (MPI's own Wait), ``backoff``, ``yield`` or ``sleep`` (see
 :mod:`mpipar.mpi.waiting`). Any other value of either is refused.
 
-The hot path costs little (a ping-pong of 8 bytes through :class:`Comm` against bare mpi4py:
-``python -m mpipar.tools.bench overhead``). When the job waits with ``spin`` the blocking Send, Recv
-and Allreduce call MPI's blocking twin directly, in one Python frame plus one for the record
-(the others post the non-blocking twin and wait); a direct Send or Recv formats no string (the
-flight recorder keeps the partner's rank and writes "-> rank 3" only when it reports), reads no
-clock, and counts itself with two additions to plain counters that ``stats`` folds in when read;
-the bound MPI calls are looked up once per communicator; the flight recorder is a fixed-length
-deque (a ring kept in C, one append a call). In a ping-pong the work a rank does between its
-Send and its next Recv is on the critical path too: when it outlasts the other rank's
-turnaround, the reply waits for it (dict updates there cost 0.15 us of a 2.5 us one-way time).
+What the wrapper costs beside bare mpi4py (a ping-pong of 8 bytes, and the engine beside bare
+NumPy) is measured by ``python -m mpipar.tools.bench overhead``; the report holds its run.
 """
 
 from collections import defaultdict

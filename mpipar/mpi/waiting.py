@@ -21,27 +21,14 @@ Without ``MPIPAR_WAIT`` (:func:`default`), a job whose ranks on one machine outn
 cores uses ``DEFAULT_OVERSUBSCRIBED`` ("backoff"), or ``LONG_WAITS`` ("sleep") for a pipeline,
 whose stages wait a micro-batch's compute, milliseconds, at a time; any other job ``spin``.
 
-Measured by ``python -m mpipar.tools.bench wait`` (``plots/wait.csv`` and the report's speed
-section hold its latest run; the figures here are from single runs of it): each scheme's
-trainer on 4 ranks on 2 cores, the strategies interleaved round by round. On a
-quiet machine, with a sleeping-only backoff (poll 10 us, then sleep), the small default models
-took 3x longer a step than spinning or yielding (dp allreduce 4.9 ms against 1.4 and 1.9;
-tensor_parallel 3.3 against 1.5 and 1.0): each short wait overslept. Yielding first for up to
-1 ms brought backoff level with them (dp allreduce 1.9 ms, spin 2.0, yield 1.9; pipeline 43.8,
-spin 58.0, yield 42.5), while a wait longer than 1 ms still sleeps. On a machine loaded with
-other work (load average 16 to 20), sleeping beat spinning and yielding (dp master 17.2 ms
-sleep, 28.8 spin, 24.4 yield): there the rank waited for needs the core the spinner holds.
-
-Later, on the same kind of machine in a slower spell, a 1 ms yield was too short: backoff took
-7.3 ms a step of dp allreduce (100 steps, median of 3 rounds) against 1.9 yielding, and 1.7 ms
-of tensor_parallel against 1.4. A wait there outlasted 1 ms, slept, and the rank woke late,
-which made the next wait longer. Yielding for up to 3 ms (``YIELD_S``): dp allreduce 1.8 ms,
-tensor_parallel 1.3; the pipeline within its noise of every other setting (53 to 77 ms).
-The pipeline sleeps instead: its waits are long, and yielding through them burns the core its
-neighbour computes on. The main job (the GPT pipeline) on 4 ranks, 20 steps, two runs each:
-sleep 52.6 and 55.6 ms a step with 92 and 96 ms of CPU time over the ranks; backoff 62.0 and
-63.4 ms with 117 and 121 ms of CPU; yield 70.8 and 67.1 ms with 141 and 133. (On 2 ranks, a
-core each, spin: 45 ms.) ``bench wait`` has preferred sleep for it in every run.
+Measured by ``python -m mpipar.tools.bench wait`` (each scheme's trainer on 4 ranks on 2
+cores, the strategies interleaved round by round; ``plots/wait.csv`` and the speed section of
+``plots/REPORT.md`` hold its latest run). What the choices rest on: a sleeping-only wait
+oversleeps the short waits of the small models, so backoff yields first, for up to ``YIELD_S``
+(long enough that a wait of a slower spell does not fall into sleeping and wake late); on a
+machine loaded with other work a sleeping rank leaves the core to the rank it waits for, which
+a spinning or yielding one holds; a pipeline stage waits a micro-batch's compute at a time, and
+yielding through that burns the core its neighbour computes on, so a pipeline sleeps.
 """
 
 import os
