@@ -150,9 +150,9 @@ class Linear(SplitBackward):
 
     def backward_weight(self, micro_id=0):
         x, dout = self.saved(micro_id)
-        self.W.grad_add_matmul(_rows(x).T, _rows(dout))  # W.grad += x^T dout, (d_in, d_out)
+        self.W.grad += _rows(x).T @ _rows(dout)  # (d_in, d_out)
         if self.has_bias:
-            self.b.grad_add_sum(_rows(dout))  # b.grad += dout summed over the rows
+            self.b.grad += _rows(dout).sum(axis=0)  # dout summed over the rows
 
 
 class ReLU(Module):
@@ -208,8 +208,8 @@ class LayerNorm(SplitBackward):
 
     def backward_weight(self, micro_id=0):
         xhat, dout = self.saved(micro_id)
-        self.g.grad_add_sum(_rows(dout * xhat))  # g.grad += (dout * xhat) summed over the rows
-        self.b.grad_add_sum(_rows(dout))
+        self.g.grad += _rows(dout * xhat).sum(axis=0)
+        self.b.grad += _rows(dout).sum(axis=0)
 
 
 class Embedding(SplitBackward):

@@ -10,13 +10,9 @@ that split the model and those that replicate it) and which part of the serial m
 (:meth:`Parameter.pieces`); the schemes declare them, and clipping, checkpoints and the memory
 ledger read them.
 
-A gradient knows when it is zero. :meth:`Parameter.zero_grad` marks it so, and the first
-contribution of the next backward is then written straight into it (``grad_add_matmul``,
-``grad_add_sum``) instead of being made in a temporary and added: 0 + v == v, so the numbers
-are the same, with one pass over the gradient fewer. Later contributions (more
-micro-batches) add as before. A gradient that owns its memory is not even filled with zeros
-until something reads ``grad``; one that is a view into a larger buffer (a bucket that MPI
-sends as a whole) is filled at once, since the buffer may be read without asking the parameter.
+A gradient is filled with zeros by :meth:`Parameter.zero_grad` and every backward adds into
+it (``W.grad += x^T dout``), so the contributions of several micro-batches add up. It may be a
+view into a larger buffer (a bucket that MPI sends as a whole): the additions are in place.
 """
 
 import hashlib
@@ -43,9 +39,7 @@ class Parameter:
         self.std = std
         self.name = None  # set by Module.init to the canonical name
         self.data = None
-        self._grad = None
-        self._is_zero = False  # grad holds zeros (or will, see _fill_pending)
-        self._fill_pending = False  # zero_grad deferred the fill to the first read
+        self.grad = None  # backward adds into it; a step starts from zero_grad
         self.placement = Placement()  # a whole tensor on one rank, until a scheme says otherwise
 
     def init_value(self, seed, name):
@@ -60,42 +54,9 @@ class Parameter:
         self.data = B.xp.array(host_value, dtype=B.dtype, order="C")  # array() always copies
         self.grad = B.xp.zeros_like(self.data)
 
-    # -- the gradient: read it as ``grad``; backward adds to it with the grad_add_* methods
-    @property
-    def grad(self):
-        if self._fill_pending:
-            self._grad[...] = 0
-        self._is_zero = self._fill_pending = False  # the reader may write into it
-        return self._grad
-
-    @grad.setter
-    def grad(self, value):  # a new array (a bucket's view, or None): nothing known about it
-        self._grad, self._is_zero, self._fill_pending = value, False, False
-
     def zero_grad(self):
-        if self._grad is None:
-            return
-        self._is_zero = True
-        self._fill_pending = self._grad.base is None  # a view: its buffer is read directly
-        if not self._fill_pending:
-            self._grad[...] = 0
-
-    def grad_add_matmul(self, a, b):
-        """grad += a @ b; into a zero gradient, a @ b is written in place."""
-        if self._is_zero:
-            B.xp.matmul(a, b, out=self._grad)
-            self._is_zero = self._fill_pending = False
-        else:
-            self.grad += a @ b
-
-    def grad_add_sum(self, rows):
-        """grad += rows.sum(axis=0); into a zero gradient, the sum is written in place
-        (``initial=0``: the same 0 + ... as the addition, signed zeros included)."""
-        if self._is_zero and B.xp is np:
-            rows.sum(axis=0, out=self._grad, initial=0)
-            self._is_zero = self._fill_pending = False
-        else:
-            self.grad += rows.sum(axis=0)
+        if self.grad is not None:
+            self.grad[...] = 0
 
     def pieces(self):
         """Which parts of the serial model's tensors this array holds (:data:`Piece`)."""
