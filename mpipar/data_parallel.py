@@ -482,7 +482,7 @@ class ZeroScheme(Replica):
         return self.global_loss(loss)
 
 
-if __name__ == "__main__":
-    from mpipar import train
+if __name__ == "__main__":  # python -m mpipar.data_parallel
+    from mpipar.runner import hand_over
 
-    train.main("data_parallel")
+    hand_over(__name__, "data_parallel")

@@ -372,7 +372,7 @@ def gather_model(task, trainer):
     return PP.gather_params(dense, grid.pp_comm)
 
 
-if __name__ == "__main__":
-    from mpipar import train
+if __name__ == "__main__":  # python -m mpipar.hybrid
+    from mpipar.runner import hand_over
 
-    train.main("hybrid")
+    hand_over(__name__, "hybrid")

@@ -434,7 +434,7 @@ def gather_params(module, pp_comm, root=0):
     return {name: value for x in sorted(pieces) for name, value in pieces[x].items()}
 
 
-if __name__ == "__main__":
-    from mpipar import train
+if __name__ == "__main__":  # python -m mpipar.pipeline
+    from mpipar.runner import hand_over
 
-    train.main("pipeline")
+    hand_over(__name__, "pipeline")

@@ -108,7 +108,7 @@ class Serial(Trainer):
         return {name: B.to_numpy(p.data) for name, p in self.model.named_parameters()}
 
 
-if __name__ == "__main__":
-    from mpipar import train
+if __name__ == "__main__":  # python -m mpipar.serial
+    from mpipar.runner import hand_over
 
-    train.main("serial")
+    hand_over(__name__, "serial")

@@ -549,7 +549,7 @@ def gather_full_params(model, tp_comm, root=0):
             for name, p in model.named_parameters()}
 
 
-if __name__ == "__main__":
-    from mpipar import train
+if __name__ == "__main__":  # python -m mpipar.tensor_parallel
+    from mpipar.runner import hand_over
 
-    train.main("tensor_parallel")
+    hand_over(__name__, "tensor_parallel")

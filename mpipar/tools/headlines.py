@@ -22,8 +22,8 @@ import os
 import statistics
 from collections import namedtuple
 
+from mpipar.tools.bench.common import WAIT_BARE as BARE
 from mpipar.tools.bench.common import csv_rows
-from mpipar.tools.bench.wait import BARE
 
 # key: a name for the CSV; text: what it is; bench: the benchmark that measures it;
 # target: (comparison, bound) or None; extract(folder) -> the figure, or None if not measured

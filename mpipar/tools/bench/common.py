@@ -23,6 +23,7 @@ PLOTS = Path(os.environ.get("MPIPAR_PLOTS") or Path(__file__).resolve().parents[
 # committed plots/ (trying a benchmark, or a lesson's command, must not replace the results
 # the lessons quote); with MPIPAR_PLOTS set, that folder, which is not the committed one
 SCRATCH = Path(tempfile.gettempdir()) / "mpipar-plots"
+WAIT_BARE = "dp allreduce in bare NumPy and mpi4py"  # bench wait's floor, as the report names it
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 

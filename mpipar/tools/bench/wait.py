@@ -40,7 +40,9 @@ import numpy as np
 
 from mpipar.mpi import waiting
 from mpipar.parts import schedules
+from mpipar.tools import headlines
 from mpipar.tools.bench.common import (
+    WAIT_BARE,
     bench_parser,
     cores,
     emit,
@@ -64,7 +66,7 @@ SCHEMES = {
 QUICK_SCHEMES = ("dp ring", "pipeline")
 # 4 ranks against 2 on the same command (the same global batch), and the most 4/2 may be;
 # "bare" runs BareDP: dp allreduce's step without the framework, the floor (no target)
-BARE = "dp allreduce in bare NumPy and mpi4py"
+BARE = WAIT_BARE
 PAIRS = {"main job (pipeline)": SCHEMES["pipeline"], "dp allreduce": SCHEMES["dp allreduce"],
          BARE: ["mpipar.bare", *SCHEMES["dp allreduce"][1:]]}
 TARGETS = {"main job (pipeline)": 1.1, "dp allreduce": 1.3}
@@ -360,8 +362,6 @@ def main(argv=None):
                  strategies]
         print(f"{s:<16}" + "".join(f"{c['step_ms']:8.1f} ({c['min_ms']:4.0f}-{c['max_ms']:<4.0f})"
                                    for c in cells))
-    from mpipar.tools import headlines  # here: headlines imports this module
-
     for name, measured in pairs.items():
         rows.append(pair_row(name, measured, load))
         verdict = "the floor: no framework"
