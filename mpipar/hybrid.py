@@ -14,7 +14,7 @@ rows of the batch. Tensor-parallel ranks vary fastest, then stages, then replica
 
     world_rank = dp * (P * T) + pp * T + tp
 
-Nothing here is a fourth copy of a scheme: the layers are :mod:`mpipar.tensor_parallel`'s, the
+Nothing here is a fourth copy of a scheme: the layers are :mod:`mpipar.parts.tp_layers`'s, the
 stages and schedules :mod:`mpipar.pipeline`'s, the gradient sum :mod:`mpipar.data_parallel`'s;
 each takes its communicator from the grid. The steps, each under an ``HY Step N`` banner:
 
@@ -96,6 +96,7 @@ from mpipar.mpi.trace import TRACE
 from mpipar.parts import plan, tp_models
 from mpipar.parts import sequence_parallel as SP
 from mpipar.parts.schedules import SCHEDULES, Backward
+from mpipar.parts.tp_layers import split_parameters
 from mpipar.runner.trainer import Trainer
 
 
@@ -154,7 +155,7 @@ class Hybrid(Trainer):
         self.layer_names = [name for name, _ in tp_model.layers]
         stage = PP.build_stage(tp_model, self.bounds[self.stage_id], args.seed)
         self.stage = stage
-        shards, replicated = TP.split_parameters(stage)
+        shards, replicated = split_parameters(stage)
         place(shards, split=[self.tp_comm, self.pp_comm], replicated=[self.dp_comm])
         place(replicated, split=[self.pp_comm], replicated=[self.tp_comm, self.dp_comm])
         self.loss_fn = tp_models.tp_loss(task, self.tp_comm) if self.is_last_stage else None

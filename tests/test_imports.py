@@ -1,6 +1,8 @@
-"""Arrows one way: a scheme file run as a program runs once, and parsing flags loads no
-scheme."""
+"""Arrows one way: a scheme file run as a program runs once, parsing flags loads no scheme, and
+no module of mpipar imports one that imports it back (an import inside a function counts too;
+the one exception is the runner's hand-over, mpipar.runner.hand_over)."""
 
+import ast
 import subprocess
 import sys
 
@@ -34,3 +36,47 @@ def test_parsing_flags_loads_no_scheme():
     loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                 cwd=ROOT, check=True).stdout.split())
     assert "mpipar.runner.cli" in loaded and not loaded & SCHEME_MODULES, loaded
+
+
+def module_files():
+    out = {}
+    for path in (ROOT / "mpipar").rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def imports_of(path, modules):
+    """The mpipar modules ``path`` imports anywhere (in functions too), but not under
+    ``if __name__ == "__main__"`` and not in the hand-over."""
+    found = set()
+
+    def visit(node):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "__main__" in ast.unparse(child.test) or \
+                    isinstance(child, ast.FunctionDef) and child.name == "hand_over":
+                continue
+            if isinstance(child, ast.Import):
+                found.update(a.name for a in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
+                found.update(f"{child.module}.{a.name}" if f"{child.module}.{a.name}" in modules
+                             else child.module for a in child.names)
+            visit(child)
+    visit(ast.parse(path.read_text()))
+    return {m for m in found if m in modules}
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    modules = module_files()
+    graph = {m: imports_of(path, modules) - {m} for m, path in modules.items()}
+    circles = []
+    for start in graph:
+        stack = [[start]]
+        while stack:
+            path = stack.pop()
+            for nxt in graph[path[-1]]:
+                if nxt == start:
+                    circles.append(" -> ".join(path + [start]))
+                elif nxt not in path:
+                    stack.append(path + [nxt])
+    assert not circles, circles

@@ -73,7 +73,7 @@ def test_a_one_element_mistake_is_named(tmp_path):
 def test_each_exercise_is_graded_on_its_own(tmp_path):
     """The row-parallel Linear calls g: written while g is still a stub, it passes (graded with
     the reference's g), and g's own line still says that g is not written."""
-    copy, path = tmp_path / "copy", "mpipar/tensor_parallel.py"
+    copy, path = tmp_path / "copy", "mpipar/parts/tp_layers.py"
     student.make(copy)
     source = student.restore_source((copy / path).read_text(), (ROOT / path).read_text(),
                                     student.find("row-parallel").functions)

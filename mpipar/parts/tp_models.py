@@ -1,4 +1,4 @@
-"""The GPT and the MLP built from the tensor-parallel layers of :mod:`mpipar.tensor_parallel`: the
+"""The GPT and the MLP built from the tensor-parallel layers of :mod:`mpipar.parts.tp_layers`: the
 same flat nn.Sequential and canonical names as :mod:`mpipar.engine.nn`'s models, so a pipeline can
 cut them into stages, and each shard starts at its slice of the serial initial weights.
 
@@ -19,7 +19,7 @@ from mpipar.parts.sequence_parallel import (
     mark,
     sequence_rows,
 )
-from mpipar.tensor_parallel import (
+from mpipar.parts.tp_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelCrossEntropy,

@@ -70,17 +70,17 @@ EXERCISES = [
         "its block; after the update, allgather every rank's shard back into the parameters",
         3, "data_parallel", ["--sync", "allreduce", "--zero", "1"], [*MLP, "--optim", "adam"], ()),
     Exercise(
-        "f-backward", "mpipar/tensor_parallel.py", ("CopyToTP.backward",),
+        "f-backward", "mpipar/parts/tp_layers.py", ("CopyToTP.backward",),
         "Megatron's f: the input gradient of a column-parallel layer is the SUM over the "
         "tensor-parallel ranks of each rank's part (lesson 4)",
         2, "tensor_parallel", [], GPT, ()),
     Exercise(
-        "g-forward", "mpipar/tensor_parallel.py", ("ReduceFromTP.forward",),
+        "g-forward", "mpipar/parts/tp_layers.py", ("ReduceFromTP.forward",),
         "Megatron's g: the output of a row-parallel layer is the SUM over the ranks of their "
         "partial products (lesson 4)",
         2, "tensor_parallel", [], GPT, ()),
     Exercise(
-        "row-parallel", "mpipar/tensor_parallel.py",
+        "row-parallel", "mpipar/parts/tp_layers.py",
         ("RowParallelLinear.forward", "RowParallelLinear.backward_input"),
         "the row-parallel Linear: forward caches its input slice, sums the partial products "
         "through g and adds the replicated bias once; backward needs no message (lesson 4)",

@@ -29,10 +29,10 @@ from reference import make_task, serial_run
 
 from mpipar import hybrid as H
 from mpipar import serial
-from mpipar import tensor_parallel as TP
 from mpipar.engine import backend as B
 from mpipar.mpi import comm as C
 from mpipar.mpi.trace import TRACE
+from mpipar.parts import tp_layers
 from mpipar.runner import memory
 from mpipar.runner.cli import parse_args
 
@@ -191,7 +191,7 @@ def check(layout, schedule, flags, extra=()):
                 (name, step, loss, ref_losses[step])
     assert trainer.stage.cached_bytes() == 0, (name, "activations left in the cache")
     for pname, prm in trainer.stage.named_parameters():  # this rank's piece, as it is
-        want = prm.select(ref_params[pname], prm.rank) if TP.is_sharded(prm) \
+        want = prm.select(ref_params[pname], prm.rank) if tp_layers.is_sharded(prm) \
             else ref_params[pname]
         err = rel_err(B.to_numpy(prm.data), want)
         assert err <= TOL, f"{name}: rank {RANK} {pname} relative error {err:.2e}"
@@ -203,7 +203,7 @@ def check(layout, schedule, flags, extra=()):
         kinds = len(trainer.update.opt.new_state(sharded[0].shard))  # SGD's momentum, Adam's m, v
         assert trainer.update.opt.state_bytes() == kinds * W * kept > 0, name
         assert 0 <= kept * d - n < d * len(sharded), (name, kept, n)
-    _, replicated = TP.split_parameters(trainer.stage)
+    _, replicated = tp_layers.split_parameters(trainer.stage)
     mine = digest(replicated)
     assert set(grid.tp_comm.allgather_obj(mine)) == {mine}, f"{name}: tp copies differ"
     full = H.gather_model(task, trainer)

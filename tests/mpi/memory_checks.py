@@ -28,8 +28,8 @@ from reference import make_task
 from mpipar.mpi import comm as C
 from mpipar.mpi.grid import Grid
 from mpipar.parts.schedules import peak_in_flight
+from mpipar.parts.tp_layers import is_sharded
 from mpipar.runner import memory, recompute
-from mpipar.tensor_parallel import is_sharded
 from mpipar.train import trainer_class
 
 C.install_excepthook()

@@ -33,6 +33,7 @@ from mpipar.mpi import comm as C
 from mpipar.mpi.grid import Grid
 from mpipar.mpi.trace import TRACE
 from mpipar.parts import sequence_parallel as SP
+from mpipar.parts.tp_layers import split_parameters
 from mpipar.runner import recompute
 
 TRACE.calls = True  # the checks read each MPI call's span
@@ -74,7 +75,7 @@ def step_traffic(trainer, step):
 def check_equals_serial(flags, name):
     task, trainer = trainer_for(flags)
     losses, ref = serial_run(task, STEPS)[:2]
-    _, replicated = TP.split_parameters(trainer.model)
+    _, replicated = split_parameters(trainer.model)
     for step in range(STEPS):
         loss = trainer.step(step)
         assert abs(loss - losses[step]) <= 1e-12 * abs(losses[step]), (name, step, loss)
@@ -184,7 +185,7 @@ def check_hybrid(layout, extra):
         rows = sum(r * args.seq_len // tp * args.d_model * W + 80 for r in trainer.micro_rows)
         sent = trainer.pp_comm.total("sent")
         assert sent == rows + 8 * trainer.is_last_stage, (name, sent, rows)
-    mine = digest(TP.split_parameters(trainer.stage)[1])
+    mine = digest(split_parameters(trainer.stage)[1])
     assert set(trainer.tp_comm.allgather_obj(mine)) == {mine}, f"{name}: tp copies differ"
     full = H.gather_model(task, trainer)
     if world.rank == 0:

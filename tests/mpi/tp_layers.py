@@ -12,13 +12,13 @@ import sys
 
 import numpy as np
 
-from mpipar import tensor_parallel as tp
 from mpipar.engine import backend as B
 from mpipar.engine import nn
 from mpipar.engine.parameters import take
 from mpipar.mpi import comm as C
 from mpipar.mpi.grid import Grid
 from mpipar.mpi.trace import TRACE
+from mpipar.parts import tp_layers as tp
 from mpipar.parts import tp_models as tpm
 from mpipar.parts.plan import tp_size_problem
 from mpipar.runner.cli import parse_args

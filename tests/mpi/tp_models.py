@@ -20,6 +20,7 @@ from mpipar import tensor_parallel as tp
 from mpipar.mpi import comm as C
 from mpipar.mpi.grid import Grid
 from mpipar.mpi.trace import TRACE
+from mpipar.parts.tp_layers import split_parameters
 
 TRACE.calls = True  # the checks read each MPI call's span
 C.install_excepthook()
@@ -86,7 +87,7 @@ def run(argv, update):
     names = [n for n, _ in model.named_parameters()]
     assert names == [n for n, _ in ref.named_parameters()], "canonical names differ"
     assert [n for n, _ in model.layers] == [n for n, _ in ref.layers], "layer names differ"
-    shards, replicated = tp.split_parameters(model)
+    shards, replicated = split_parameters(model)
     assert len(shards) > 0
     for step in range(STEPS):
         x, y = task.to_device(*task.batch(step))

@@ -4,7 +4,7 @@ hidden size h, on P = 1 and P = 2 ranks, and where P = 2 starts to pay off.
     python -m mpipar.tools.bench tp # tp.csv and tp_comm_share.png in --out (see mpipar.tools.bench)
     python -m mpipar.tools.bench tp --plot-only --out plots   # redraw the committed picture
 
-One :class:`mpipar.tensor_parallel.ParallelBlock` (h / 16 heads of width 16, so attention's
+One :class:`mpipar.parts.tp_models.ParallelBlock` (h / 16 heads of width 16, so attention's
 work grows with h like the rest), float32, one BLAS thread per rank, for two step shapes:
 batch 4 x sequence 64 (256 tokens, a training step) and batch 1 x sequence 16 (16 tokens, where
 latency matters). A step is forward, backward of a fixed output gradient and an SGD update of

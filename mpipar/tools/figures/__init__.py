@@ -10,9 +10,9 @@ Each picture runs the real function it shows and draws what that function did:
 2. ``master_vs_ring.png``: the seed's master scheme (everything through rank 0) against the ring
    (each rank talks to its two neighbours), with the bytes per rank the ring run above sent.
 3. ``megatron_mlp.png``: which block of the MLP's two matrices each rank holds
-   (:class:`~mpipar.tensor_parallel.ColumnParallelLinear`, then ``RowParallelLinear``) and
+   (:class:`~mpipar.parts.tp_layers.ColumnParallelLinear`, then ``RowParallelLinear``) and
    where ``f`` and ``g`` sit, with their forward/backward rules quoted from their docstrings.
-4. ``vocab_cross_entropy.png``: :class:`~mpipar.tensor_parallel.VocabParallelCrossEntropy` on
+4. ``vocab_cross_entropy.png``: :class:`~mpipar.parts.tp_layers.VocabParallelCrossEntropy` on
    3 threads: the logits each rank holds and its three Allreduces (MAX, SUM, SUM).
 5. ``schedules.png``: every pipeline schedule of :mod:`mpipar.parts.schedules` on 4 stages and 4
    micro-batches, as :func:`~mpipar.parts.schedules.simulate` times its instruction lists.

@@ -175,7 +175,7 @@ def megatron_lane(ax, plt, y, r, a_cols, b_rows, width):
 def megatron_layout(t=2, h=8):
     """The columns of A (h, 4h) and rows of B (4h, h) each of t ranks holds, as the real
     layers pick them, and the forward/backward rules of f and g from their docstrings."""
-    from mpipar.tensor_parallel import (
+    from mpipar.parts.tp_layers import (
         ColumnParallelLinear,
         CopyToTP,
         ReduceFromTP,
@@ -218,7 +218,7 @@ def cross_entropy_run(t=3, vocab=9, target=4):
     """VocabParallelCrossEntropy's forward on one row of logits split over t stand-in ranks:
     the ranges, each Allreduce's parts and result, the loss, and the serial loss."""
     from mpipar.engine import nn
-    from mpipar.tensor_parallel import VocabParallelCrossEntropy, blocks
+    from mpipar.parts.tp_layers import VocabParallelCrossEntropy, blocks
 
     logits = np.array([[1.0, -0.5, 2.0, 0.3, 1.2, 3.1, -1.0, 0.7, 1.6]])[:, :vocab]  # (1, V)
     targets = np.array([target])
