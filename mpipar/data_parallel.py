@@ -372,9 +372,8 @@ class MasterScheme(Replica):
         self.model.zero_grad()
 
         # -- DP Step 2: the master splits the global batch along the batch dimension (Scatterv) --
-        comm.narrate(f"DP Step 2: rank 0 scatters the {self.args.batch_size} rows of the global "
-                     f"batch, {self.rows} rows per rank")
-        with TRACE.span("sync", "DP Step 2"):
+        with comm.step("DP Step 2", f"rank 0 scatters the {self.args.batch_size} rows of the "
+                                    f"global batch, {self.rows} rows per rank"):
             x_all = y_all = None
             if self.is_master:
                 x_all, y_all = self.task.to_device(*self.task.batch(step))
@@ -392,9 +391,9 @@ class MasterScheme(Replica):
         loss = self.forward_backward(x, y, self.args.batch_size * math.prod(y_tail))
 
         # -- DP Step 4: the gradients are summed (Reduce to the master) and the model updated --
-        comm.narrate(f"DP Step 4: Reduce(SUM) of {self.n:,} gradient values "
-                     f"({self.flat.nbytes:,} bytes) to rank 0, which updates the model")
-        with TRACE.span("sync", "DP Step 4"):
+        with comm.step("DP Step 4", f"Reduce(SUM) of {self.n:,} gradient values "
+                                    f"({self.flat.nbytes:,} bytes) to rank 0, which updates the "
+                                    f"model"):
             flatten([p.grad for p in self.params], self.flat)
             dp_comm.Reduce(self.flat, self.flat_sum, root=0, what="every gradient, flat")
         if self.is_master:
@@ -402,8 +401,7 @@ class MasterScheme(Replica):
             self.opt.step()
 
         # -- DP Step 5: the master broadcasts the updated parameters for the next batch --
-        comm.narrate("DP Step 5: rank 0 broadcasts the updated parameters")
-        with TRACE.span("sync", "DP Step 5"):
+        with comm.step("DP Step 5", "rank 0 broadcasts the updated parameters"):
             bcast_params(dp_comm, self.params, self.flat, root=0)
         return self.global_loss(loss)
 
@@ -431,9 +429,9 @@ class AllreduceScheme(Replica):
         loss = self.forward_backward(x, y, normalizer, self.sync if self.args.overlap else None)
 
         # -- DP Step 4: the gradients are summed (Allreduce or ring, by bucket); all update --
-        comm.narrate(f"DP Step 4: {self.args.sync} of the gradients in {len(self.sync.buckets)} "
-                     f"bucket(s); every rank applies the same update to its replica")
-        with TRACE.span("sync", "DP Step 4"):
+        with comm.step("DP Step 4", f"{self.args.sync} of the gradients in "
+                                    f"{len(self.sync.buckets)} bucket(s); every rank applies the "
+                                    f"same update to its replica"):
             self.sync.finish()
         self.opt.step()
 
@@ -468,16 +466,14 @@ class ZeroScheme(Replica):
         loss = self.forward_backward(x, y, normalizer)
 
         # -- DP Step 4: Reduce_scatter of the gradients; each rank updates its own shard --
-        comm.narrate(f"DP Step 4: Reduce_scatter of the gradients; rank {self.rank} updates its "
-                     f"shard of {self.opt.shard_size:,} values")
-        with TRACE.span("sync", "DP Step 4"):
+        with comm.step("DP Step 4", f"Reduce_scatter of the gradients; rank {self.rank} updates "
+                                    f"its shard of {self.opt.shard_size:,} values"):
             self.opt.reduce_scatter_grads()
         self.opt.update()
 
         # -- DP Step 5: the updated shards are allgathered into every replica --
-        comm.narrate(f"DP Step 5: Allgather of the updated shards ({self.flat.nbytes:,} bytes of "
-                     "parameters in all)")
-        with TRACE.span("sync", "DP Step 5"):
+        with comm.step("DP Step 5", f"Allgather of the updated shards ({self.flat.nbytes:,} bytes "
+                                    f"of parameters in all)"):
             self.opt.allgather_params()
         return self.global_loss(loss)
 

@@ -92,7 +92,6 @@ from mpipar.engine import nn
 from mpipar.engine.parameters import place
 from mpipar.mpi import comm
 from mpipar.mpi.grid import Grid
-from mpipar.mpi.trace import TRACE
 from mpipar.parts import plan, tp_models
 from mpipar.parts import sequence_parallel as SP
 from mpipar.parts.schedules import SCHEDULES, Backward
@@ -108,10 +107,10 @@ def sum_over(group, value, what=""):
 
 
 # ----------------------------------------------------------------------------- the scheme
-# -- HY Step 1: carve COMM_WORLD into the data x tensor x pipeline grid --
 def make_grid(dp, tp, pp, mpi_comm=None):
     """The grid's three communicators for this rank (a wrong product is refused by Grid on
     every rank, listing the layouts that fit the job)."""
+    # -- HY Step 1: carve COMM_WORLD into the data x tensor x pipeline grid --
     grid = Grid(dp, tp, pp, mpi_comm)
     comm.narrate(f"HY Step 1: world rank {grid.world.rank} is dp={grid.dp_rank} "
                  f"tp={grid.tp_rank} pp={grid.pp_rank}: tp group of {grid.tp_size}, pipeline "
@@ -262,10 +261,10 @@ class SyncedUpdate:
         # -- HY Step 5: after the last backward, sum the gradients over the dp group --
         if self.sync is not None:
             n_bytes = sum(b.flat.nbytes for b in self.sync.buckets)
-            comm.narrate(f"HY Step 5: Allreduce(SUM) of this rank's {n_bytes:,} gradient bytes "
-                         f"over its {self.dp_comm.size} replicas in {len(self.sync.buckets)} "
-                         "bucket(s): the sum is the serial gradient (global normaliser)")
-            with TRACE.span("sync", "HY Step 5"):
+            with comm.step("HY Step 5", f"Allreduce(SUM) of this rank's {n_bytes:,} gradient bytes"
+                                        f" over its {self.dp_comm.size} replicas in "
+                                        f"{len(self.sync.buckets)} bucket(s): the sum is the "
+                                        f"serial gradient (global normaliser)"):
                 self.sync.finish()
         if self.tp_comm is not None:  # --sequence-parallel: after the dp sum (it may overlap)
             SP.allreduce_sequence_grads(self.params, self.tp_comm)
@@ -292,18 +291,18 @@ class ZeroUpdate:
         if self.tp_comm is not None:  # --sequence-parallel: while the gradients are whole
             SP.allreduce_sequence_grads(self.params, self.tp_comm)
 
-        # HY Step 5, ZeRO-1: after the last backward, reduce-scatter the gradients over dp_comm
-        comm.narrate(f"HY Step 5: Reduce_scatter(SUM) of this rank's {self.zero.flat.nbytes:,} "
-                     f"gradient bytes (padded) over its {self.dp_comm.size} replicas: each keeps "
-                     f"{self.zero.shard_size:,} values of the serial gradient")
-        with TRACE.span("sync", "HY Step 5"):
+        # -- HY Step 5: ZeRO-1: after the last backward, reduce-scatter the gradients over dp --
+        with comm.step("HY Step 5", f"Reduce_scatter(SUM) of this rank's {self.zero.flat.nbytes:,}"
+                                    f" gradient bytes (padded) over its {self.dp_comm.size} "
+                                    f"replicas: each keeps {self.zero.shard_size:,} values of the "
+                                    f"serial gradient"):
             self.zero.reduce_scatter_grads()
 
-        # HY Step 6, ZeRO-1: each rank updates its block; the updated blocks are allgathered
-        comm.narrate("HY Step 6: every rank updates its block of its shards and replicated "
-                     "parameters, then Allgather of the updated blocks over the dp group")
+        # -- HY Step 6: ZeRO-1: each rank updates its block; the blocks are allgathered --
         self.zero.update()
-        with TRACE.span("sync", "HY Step 6"):
+        with comm.step("HY Step 6", "every rank updates its block of its shards and replicated "
+                                    "parameters, then Allgather of the updated blocks over the dp "
+                                    "group"):
             self.zero.allgather_params()
 
 
@@ -328,28 +327,27 @@ class Zero2Update:
         if self.tp_comm is not None:  # --sequence-parallel (never with --overlap): still whole
             SP.allreduce_sequence_grads(self.params, self.tp_comm)
 
-        # HY Step 5, ZeRO-2: reduce-scatter each bucket's gradients over dp_comm, free them
+        # -- HY Step 5: ZeRO-2: reduce-scatter each bucket's gradients over dp, free them --
         n_bytes = sum(b.flat_grad.nbytes for b in self.sharded)
         kept = sum(b.shard_size for b in self.sharded)
         how = "wait for the Reduce_scatters posted during the last backward (Irecv, Isend)" \
             if self.sync.overlap else "Reduce_scatter(SUM)"
-        comm.narrate(f"HY Step 5: {how} of this rank's {n_bytes:,} gradient bytes (padded) in "
-                     f"{len(self.sharded)} bucket(s) over its {self.dp_comm.size} replicas: each "
-                     f"keeps {kept:,} values of the serial gradient and frees the full gradients")
-        with TRACE.span("sync", "HY Step 5"):
+        with comm.step("HY Step 5", f"{how} of this rank's {n_bytes:,} gradient bytes (padded) in "
+                                    f"{len(self.sharded)} bucket(s) over its {self.dp_comm.size} "
+                                    f"replicas: each keeps {kept:,} values of the serial gradient "
+                                    f"and frees the full gradients"):
             self.sync.finish()
 
-        # HY Step 6, ZeRO-2: each rank updates its shards; the shards are allgathered
-        comm.narrate(f"HY Step 6: every rank updates its {kept:,} values with 1/"
-                     f"{self.dp_comm.size} of the optimizer state, then Allgather of the updated "
-                     f"shards over the dp group, {len(self.sharded)} bucket(s)")
+        # -- HY Step 6: ZeRO-2: each rank updates its shards; the shards are allgathered --
         self.opt.step()
-        with TRACE.span("sync", "HY Step 6"):
+        with comm.step("HY Step 6", f"every rank updates its {kept:,} values with 1/"
+                                    f"{self.dp_comm.size} of the optimizer state, then Allgather "
+                                    f"of the updated shards over the dp group, "
+                                    f"{len(self.sharded)} bucket(s)"):
             for b in self.sharded:
                 b.gather_params("updated")
 
 
-# -- HY Step 7: gather the whole model to world rank 0: shards per stage, then the stages --
 def gather_model(task, trainer):
     """{canonical name: full host array} of the whole model on world rank 0, None elsewhere.
 
@@ -357,6 +355,7 @@ def gather_model(task, trainer):
     (tensor_parallel.gather_full_params), which puts them into a dense copy of the stage; the
     tp-rank-0 ranks of replica 0 form one pipeline group, and pipeline.gather_params collects
     the dense stages on its stage 0, which is world rank 0."""
+    # -- HY Step 7: gather the whole model to world rank 0: shards per stage, then the stages --
     grid = trainer.grid
     if grid.dp_rank != 0:
         return None

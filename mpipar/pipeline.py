@@ -197,9 +197,9 @@ def build_stage(model, bounds, seed):
     return nn.Sequential(model.layers[a:b]).init(seed)
 
 
-# -- PP Step 2: the first stage takes the batch (as micro-batches) and runs forward --
 def micro_batches(a, n_micro):
     """Cut the rows of a batch into n_micro micro-batches (sizes differ by at most one)."""
+    # -- PP Step 2: the first stage takes the batch (as micro-batches) and runs forward --
     rows = comm.split_rows(a.shape[0], n_micro)
     return [a[lo:lo + n] for lo, n in zip(comm.offsets(rows), rows)]
 
@@ -256,17 +256,17 @@ class StageRunner:
             x = self.acts_in.pop((k, c))  # received in Step 4
         self.output(k, c, self.chunks[c].forward(x, k))
 
-    # -- PP Step 3: the stage passes its output activations to the next stage --
     def send_act(self, k, c=0):
         """To the next stage's same chunk; from the last stage to stage 0's next chunk."""
+        # -- PP Step 3: the stage passes its output activations to the next stage --
         dest, to = (self.stage + 1, c) if not self.is_last_stage else (0, c + 1)
         comm.narrate(f"PP Step 3: stage {self.stage} sends {self.name(k, c)}'s activations "
                      f"to stage {dest}")
         self.sends += send_tensor(self.comm, self.acts_out.pop((k, c)), dest,
                                   TAG_ACT + to * CHUNK_TAG, k, f"{self.name(k, c)}'s activations")
 
-    # -- PP Step 4: the next stage receives them and continues the forward pass --
     def recv_act(self, k, c=0):
+        # -- PP Step 4: the next stage receives them and continues the forward pass --
         source = (self.stage - 1) % self.n_stages
         comm.narrate(f"PP Step 4: stage {self.stage} receives {self.name(k, c)}'s activations "
                      f"from stage {source}, then runs forward on them")
@@ -274,18 +274,18 @@ class StageRunner:
                                          self.micro_rows[k], B.dtype,
                                          f"{self.name(k, c)}'s activations")
 
-    # -- PP Step 5: the last stage finishes forward and produces the final output --
     def output(self, k, c, y):
+        # -- PP Step 5: the last stage finishes forward and produces the final output --
         if self.last_piece(c):
             comm.narrate(f"PP Step 5: stage {self.stage} produced the logits of micro-batch {k}")
             self.compute_loss(k, y)
         else:
             self.acts_out[k, c] = y  # Step 3 sends it
 
-    # -- PP Step 6: compute the loss from the output and start backpropagation --
     def compute_loss(self, k, logits):
         """The loss object caches what its backward needs under k; the normaliser is the
         target count of the whole batch, so the micro-batch losses (and gradients) sum."""
+        # -- PP Step 6: compute the loss from the output and start backpropagation --
         comm.narrate(f"PP Step 6: stage {self.stage} computes the loss of micro-batch {k}")
         self.loss += self.loss_fn.forward(logits, self.targets[k], self.normalizer, k)
 
@@ -295,8 +295,8 @@ class StageRunner:
             return self.loss_fn.backward(1.0, k)
         return self.grads_in.pop((k, c))
 
-    # -- PP Step 7: backward stage by stage; each passes its input's gradient back --
     def recv_grad(self, k, c=0):
+        # -- PP Step 7: backward stage by stage; each passes its input's gradient back --
         source = (self.stage + 1) % self.n_stages
         comm.narrate(f"PP Step 7: stage {self.stage} receives {self.name(k, c)}'s gradient "
                      f"from stage {source}")
@@ -330,8 +330,8 @@ class StageRunner:
         self.sends += send_tensor(self.comm, self.grads_out.pop((k, c)), dest,
                                   TAG_GRAD + to * CHUNK_TAG, k, f"{self.name(k, c)}'s gradient")
 
-    # -- PP Step 8: with every micro-batch through, each stage updates its own parameters --
     def optimizer_step(self, _k=None, _c=0):
+        # -- PP Step 8: with every micro-batch through, each stage updates its own parameters --
         comm.narrate(f"PP Step 8: stage {self.stage} updates its parameters")
         if self.optimizer is not None:
             self.optimizer.step()
@@ -409,10 +409,10 @@ def share_loss(pp_comm, loss):
     return float(buf[0])
 
 
-# -- PP Step 9: the parameters stay on their stage; gather them to rank 0 to evaluate or save --
 def gather_params(module, pp_comm, root=0):
     """{canonical name: host array} of the WHOLE model on root (None elsewhere), in the model's
     order: each stage's parameters (of all its chunks) flattened into one buffer, one Gatherv."""
+    # -- PP Step 9: the parameters stay on their stage; gather them to rank 0 to evaluate or save --
     chunks = chunks_of(module)
     named = [pair for chunk in chunks for pair in chunk.named_parameters()]
     flat = comm.flatten([p.data for _, p in named])

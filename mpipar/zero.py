@@ -77,7 +77,6 @@ from mpipar.data_parallel import Replica, make_buckets
 from mpipar.engine import backend as B
 from mpipar.engine.parameters import FlatBlock, Placement
 from mpipar.mpi import comm
-from mpipar.mpi.trace import TRACE
 
 
 # ----------------------------------------------------------------------------- communication
@@ -325,15 +324,15 @@ class Zero2Scheme(Sharded):
         # shards --
         how = "wait for the reduce-scatters posted during backward (Irecv, Isend)" \
             if self.args.overlap else "Reduce_scatter of the gradients"
-        comm.narrate(f"DP Step 4: {how}, {len(self.groups)} bucket(s); rank {self.rank} keeps "
-                     f"and updates its {sum(b.shard_size for b in self.groups):,} values")
-        with TRACE.span("sync", "DP Step 4"):
+        with comm.step("DP Step 4", f"{how}, {len(self.groups)} bucket(s); rank {self.rank} keeps "
+                                    f"and updates its {sum(b.shard_size for b in self.groups):,} "
+                                    f"values"):
             self.sync.finish()
         self.opt.step()
 
         # -- DP Step 5: the updated shards are allgathered into every replica, bucket by bucket --
-        comm.narrate(f"DP Step 5: Allgather of the updated shards, {len(self.groups)} bucket(s)")
-        with TRACE.span("sync", "DP Step 5"):
+        with comm.step("DP Step 5", f"Allgather of the updated shards, {len(self.groups)} "
+                                    f"bucket(s)"):
             for b in self.groups:
                 b.gather_params("updated")
         return self.global_loss(loss)

@@ -1,7 +1,8 @@
 """The course stays true to the code: citations resolve, commands run, pictures exist.
 
-A lesson cites code as `mpipar/<file>.py > Step N` (a banner ``# -- XX Step N: ...`` in that
-file) or `mpipar/<file>.py > Name` / `> Class.method` (a definition found with ast). Commands
+A lesson cites code as `mpipar/<file>.py > XX Step N` (a banner ``# -- XX Step N: ...`` in
+that file, standing over the code that does the step, not over a definition) or
+`mpipar/<file>.py > Name` / `> Class.method` (a definition found with ast). Commands
 are the ``$ ...`` lines of ```console blocks; each one runs from the repository root and must
 exit 0. Training commands that set no ``--steps`` run shortened to 3 steps (``--steps 3
 --quiet`` added before any pipe) and benchmarks with ``--quick``, so the suite stays fast.
@@ -134,11 +135,16 @@ def test_there_is_a_course():
 def test_citation_resolves(lesson, path, target):
     source = ROOT / path
     assert source.exists(), f"{lesson} cites {path}, which does not exist"
-    step = re.fullmatch(r"Step (\d+)", target)
+    step = re.fullmatch(r"(\w+) Step (\d+)", target)
     if step:
-        banner = re.compile(rf"^\s*# -- \w+ Step {step.group(1)}:", re.M)
-        assert banner.search(source.read_text()), \
-            f"{lesson} cites {path} > {target}, but no '# -- .. Step {step.group(1)}:' banner"
+        lines = source.read_text().split("\n")
+        at = [i for i, line in enumerate(lines) if line.strip().startswith(f"# -- {target}:")]
+        assert at, f"{lesson} cites {path} > {target}, but no '# -- {target}: ...' banner"
+        for i in at:  # each banner stands over the code that does the step, not a definition
+            code = next(line.strip() for line in lines[i + 1:]
+                        if line.strip() and not line.strip().startswith("#"))
+            assert not code.startswith(("def ", "class ", "@", '"""')), \
+                f"{path}: the banner '{lines[i].strip()}' stands over '{code}', not its code"
     else:
         assert target in defined_names(source), f"{lesson} cites {path} > {target}: not defined"
 

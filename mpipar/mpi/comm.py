@@ -27,6 +27,7 @@ NumPy) is measured by ``python -m mpipar.tools.bench overhead``; the report hold
 """
 
 from collections import defaultdict
+from contextlib import contextmanager
 from functools import lru_cache
 from itertools import accumulate
 
@@ -426,6 +427,16 @@ def narrate(text):
     """With --explain, print a line about the step being run, prefixed by the world rank."""
     if EXPLAIN:
         explain.step(text)
+
+
+@contextmanager
+def step(label, detail):
+    """One of a scheme's steps that moves data, as one construct: narrated with --explain
+    (``label: detail``) and traced as a "sync" span named ``label``, what the timeline draws
+    and the benchmarks measure as exposed communication."""
+    narrate(f"{label}: {detail}")
+    with TRACE.span("sync", label):
+        yield
 
 
 def world():

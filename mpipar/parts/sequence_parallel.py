@@ -76,11 +76,11 @@ def mark(*modules):
             p.sequence_parallel = True
 
 
-# -- TP Step 3: the ranks shard and gather the activations along the sequence --
 def scatter_sequence(tp_comm, x, what):
     """The sum over the group of every rank's (B, T, ...) ``x``, of which this rank keeps its
     rows (B, T/t, ...): one Reduce_scatter. The comm layer splits along axis 0, so the
     sequence axis goes first for the call and back after it."""
+    # -- TP Step 3: the ranks shard and gather the activations along the sequence --
     if tp_comm.size == 1:
         return x
     rows = B.xp.ascontiguousarray(B.xp.moveaxis(x, SEQ, 0))  # (T, B, ...)
