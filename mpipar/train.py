@@ -16,7 +16,10 @@ A scheme is a trainer class with one small interface:
 - ``trainer.step(step) -> loss``: one optimizer step on the global batch of ``step``; the
   global loss, on every rank (so that every rank stops at once if it is not finite);
 - ``trainer.full_params()``: the whole model as {canonical name: host array} on world rank 0
-  (None elsewhere), the names and shapes of the serial model's parameters.
+  (None elsewhere), the names and shapes of the serial model's parameters;
+- and what clipping, checkpoints, recomputation and the memory ledger read, from
+  :class:`mpipar.runner.trainer.Trainer` (its parameters' placements, its optimizers, units
+  and buffers), which every trainer subclasses.
 """
 
 import math
