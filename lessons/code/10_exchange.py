@@ -18,6 +18,7 @@ parser.add_argument("--timeout", type=float, default=0, help="watchdog limit, se
 args = parser.parse_args()
 C.install_excepthook()
 C.start_watchdog(args.timeout)
+C.choose_wait()  # as the runner does: how a rank waits on this machine
 world = C.world()
 assert world.size == 2, "run with mpirun -n 2"
 other = 1 - world.rank

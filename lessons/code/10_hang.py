@@ -32,6 +32,7 @@ args = parser.parse_args()
 faulthandler.register(signal.SIGUSR1)  # kill -USR1 PID: print this rank's stack, carry on
 C.install_excepthook()
 C.start_watchdog(args.timeout)
+C.choose_wait()  # as the runner does: how a rank waits on this machine
 world = C.world()
 os.write(1, f"rank {world.rank} pid {os.getpid()}\n".encode())  # one write: lines stay whole
 

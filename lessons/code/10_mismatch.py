@@ -17,6 +17,7 @@ parser.add_argument("--timeout", type=float, default=0, help="watchdog limit, se
 args = parser.parse_args()
 C.install_excepthook()
 C.start_watchdog(args.timeout)
+C.choose_wait()  # as the runner does: how a rank waits on this machine
 world = C.world()
 
 weights, grads, lr = np.ones(1000), np.ones(1000), np.zeros(1)

@@ -44,6 +44,7 @@ def worker(repeats, computing):
     from mpipar.mpi import comm as C
 
     C.install_excepthook()
+    C.choose_wait()  # as the runner does: how a rank waits on this machine
     w = C.world()
     rng = np.random.default_rng(w.rank)
     a = rng.standard_normal((N, N)).astype(np.float32)

@@ -215,6 +215,7 @@ def worker(kind, quick):
 
     C.install_excepthook()
     TRACE.enabled = False  # thousands of calls: keep no timeline
+    C.choose_wait()  # as the runner does: how a rank waits on this machine
     w = C.world()
     {"pingpong": worker_pingpong, "allreduce": worker_allreduce,
      "lockstep": worker_lockstep}[kind](w, quick)

@@ -62,6 +62,7 @@ def worker(rounds):
     from mpipar.mpi import comm as C
 
     C.install_excepthook()
+    C.choose_wait()  # as the runner does: how a rank waits on this machine
     w, raw = C.world(), MPI.COMM_WORLD
     peer, first = 1 - w.rank, w.rank == 0
     for n in SIZES:
