@@ -22,8 +22,11 @@ while MPI buffers small messages deadlocks at once in the tests; ``MPIPAR_WAIT``
 a rank waits: ``spin`` (MPI's own Wait), ``backoff``, ``yield`` or ``sleep`` (see
 :mod:`mpipar.mpi.waiting`). Any other value of either is refused.
 
-What the wrapper costs beside bare mpi4py (a ping-pong of 8 bytes, and the engine beside bare
-NumPy) is measured by ``python -m mpipar.tools.bench overhead``; the report holds its run.
+Every call of :class:`Comm` is the reference path: checked, counted, posted and completed by
+:func:`wait`. One speed-up lives apart, :class:`DirectComm`, for a rank with its own core: its
+blocking Send, Recv and Allreduce go straight to MPI's blocking calls. What the wrapper costs
+beside bare mpi4py is measured by ``python -m mpipar.tools.bench overhead``; the report holds
+its run.
 """
 
 from collections import defaultdict
@@ -148,23 +151,11 @@ class Comm(PickledCalls):
         self.mpi, self.name = mpi_comm, name
         self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
         self._stats = defaultdict(lambda: defaultdict(int))
-        self._sends = self._sent = self._recvs = self._received = 0  # the fast path's, see stats
-        self.status = MPI.Status()  # of the direct blocking receives
-        self._send = getattr(mpi_comm, "Ssend" if SSEND else "Send", None)  # bound once (None:
-        self._recv = getattr(mpi_comm, "Recv", None)  # (a stand-in without them,
-        # mpipar.tools.figures)
 
     # -- bookkeeping
     @property
     def stats(self):
-        """``stats[op][key]`` (see the class). The blocking Send and Recv that go straight to
-        MPI add to four plain counters, folded in here: the dict updates cost more than an
-        8-byte message's whole turnaround on the other rank, so they delayed the next call."""
-        if self._sends:
-            self._count("Send", sent=self._sent, messages=self._sends, calls=self._sends)
-        if self._recvs:
-            self._count("Recv", recv=self._received, calls=self._recvs)
-        self._sends = self._sent = self._recvs = self._received = 0
+        """``stats[op][key]`` (see the class)."""
         return self._stats
 
     def _count(self, op, sent=0, recv=0, messages=0, calls=1):
@@ -201,7 +192,7 @@ class Comm(PickledCalls):
             explain.posted(self, op, detail, nbytes, what)
 
     def reset_stats(self):
-        self.stats.clear()  # the fast counters first folded, then cleared with the rest
+        self.stats.clear()  # (DirectComm: its counters first folded in, then cleared)
 
     def total(self, key, ops=None):
         return sum(s[key] for op, s in self.stats.items() if ops is None or op in ops)
@@ -214,28 +205,8 @@ class Comm(PickledCalls):
 
     # -- point to point
     def Send(self, buf, dest, tag=0, what=""):
-        """The hot path of a ping-pong, so written out: MPI's blocking Send, bracketed by the
-        flight recorder, and two additions (the ``stats`` counters). No clock is read and no
-        string formatted (see :class:`mpipar.mpi.failure.Flight`); a traced or narrated call takes
-        the general path, which times it. A 1-D array is C-contiguous exactly when MPI takes it
-        (a strided one raises BufferError, which check_array then explains), so only an array
-        of 2 or more dimensions has its flags read (a flags object: 50 ns). A Python call
-        costs about 0.1 us, an 8-byte message about 2."""
-        if WAIT != "spin" or TRACE.calls or EXPLAIN or type(buf) is not np.ndarray \
-                or buf.ndim > 1 and not buf.flags.c_contiguous:
-            self.Isend(buf, dest, tag, what, posted=False).wait()
-            return
-        FLIGHT.waiting = call = (None, self.name, "Send", dest, what)  # the rank: "-> rank 3"
-        try:  # when read (failure._call)
-            self._send(buf, dest, tag)
-        except BufferError:
-            check_array(buf, what=f"Send to {dest}")
-            raise
-        finally:
-            FLIGHT.waiting = None
-        FLIGHT.recent.append(call)
-        self._sends += 1  # counted after the send (Recv: before)
-        self._sent += buf.nbytes
+        """Send ``buf`` to ``dest``: posted (:meth:`Isend`) and completed by :func:`wait`."""
+        self.Isend(buf, dest, tag, what, posted=False).wait()
 
     def Isend(self, buf, dest, tag=0, what="", posted=True):
         """Post a send (a synchronous one with MPIPAR_SSEND=1); ``.wait()`` completes it.
@@ -250,26 +221,9 @@ class Comm(PickledCalls):
                        what=what)
 
     def Recv(self, buf, source, tag=0, what=""):
-        """Receive into ``buf``; a message of any other size is an error. Written out as Send."""
-        if WAIT != "spin" or TRACE.calls or EXPLAIN or type(buf) is not np.ndarray \
-                or buf.ndim > 1 and not buf.flags.c_contiguous:
-            return self.Irecv(buf, source, tag, what, posted=False).wait()
-        n, status = buf.nbytes, self.status
-        self._recvs += 1
-        self._received += n
-        FLIGHT.waiting = call = (None, self.name, "Recv", source, what)  # "<- rank 3" when read
-        try:
-            self._recv(buf, source, tag, status)
-        except BufferError:
-            self._recvs, self._received = self._recvs - 1, self._received - n  # not received
-            check_array(buf, what=f"Recv from {source}")
-            raise
-        finally:
-            FLIGHT.waiting = None
-        if status.Get_count(BYTE) != n:
-            _check_count(status, buf, source)  # raises, saying what came
-        FLIGHT.recent.append(call)
-        return status
+        """Receive into ``buf`` (:meth:`Irecv`, completed by :func:`wait`); a message of any
+        other size is an error."""
+        return self.Irecv(buf, source, tag, what, posted=False).wait()
 
     def Irecv(self, buf, source, tag=0, what="", posted=True):
         """Receive into ``buf``; a message of any other size than ``buf`` is an error."""
@@ -332,20 +286,9 @@ class Comm(PickledCalls):
         self._blocking(req, "Reduce", f"all -> root {root}", n, t0, what, host_out, dev)
 
     def Allreduce(self, buf, op=MPI.SUM, what=""):
-        """In place: every rank's ``buf`` becomes op over all ranks' ``buf``. Straight to MPI's
-        blocking twin when MPI's own Wait is the way to wait and ``buf`` is a C-contiguous host
-        array (anything else takes the checked, posted path, which refuses it or stages it)."""
-        if WAIT != "spin" or type(buf) is not np.ndarray or not buf.flags.c_contiguous:
-            self.Iallreduce(buf, op, what, posted=False).wait()
-            return
-        self._count("Allreduce", sent=buf.nbytes, recv=buf.nbytes)
-        detail, t0 = f"all <-> all ({self.size})", _now()
-        FLIGHT.waiting = (t0, self.name, "Allreduce", detail, what)
-        try:
-            self.mpi.Allreduce(MPI.IN_PLACE, buf, op)
-        finally:
-            FLIGHT.waiting = None
-        self._record("Allreduce", detail, buf.nbytes, t0, what)
+        """In place: every rank's ``buf`` becomes op over all ranks' ``buf`` (:meth:`Iallreduce`,
+        completed by :func:`wait`)."""
+        self.Iallreduce(buf, op, what, posted=False).wait()
 
     def Iallreduce(self, buf, op=MPI.SUM, what="", posted=True):
         """Non-blocking in-place Allreduce; call ``.wait()`` on the result before reading buf."""
@@ -422,6 +365,97 @@ class Comm(PickledCalls):
                        host_out, dev)
 
 
+# ----------------------------------------------------------------------------- the direct path
+class DirectComm(Comm):
+    """A speed-up, apart from the reference path: :class:`Comm` whose blocking Send, Recv and
+    Allreduce call MPI's blocking twins directly. :func:`communicator` gives it to a rank that
+    waits with MPI's own Wait (``WAIT == "spin"``: each rank has its own core), where the
+    posted path's request object, clock reads and string formatting are the per-call cost an
+    8-byte message shows (``python -m mpipar.tools.bench overhead`` measures the wrapper against
+    raw mpi4py; ``bench net``'s alpha is a ping-pong through it). A direct Send or Recv formats
+    no string (the flight recorder keeps the partner's rank, written out when it reports),
+    reads no clock, and counts itself in plain counters that ``stats`` folds in when read. A
+    traced or narrated call, a device array and a strided one take the reference path."""
+
+    def __init__(self, mpi_comm, name="world"):
+        super().__init__(mpi_comm, name)
+        self._sends = self._sent = self._recvs = self._received = 0
+        self.status = MPI.Status()  # of the direct receives
+        self._send = getattr(mpi_comm, "Ssend" if SSEND else "Send", None)  # bound once (None:
+        self._recv = getattr(mpi_comm, "Recv", None)  # a stand-in without them, tools.figures)
+
+    @property
+    def stats(self):
+        """``stats[op][key]``, with the direct calls' counters folded in."""
+        if self._sends:
+            self._count("Send", sent=self._sent, messages=self._sends, calls=self._sends)
+        if self._recvs:
+            self._count("Recv", recv=self._received, calls=self._recvs)
+        self._sends = self._sent = self._recvs = self._received = 0
+        return self._stats
+
+    def Send(self, buf, dest, tag=0, what=""):
+        """MPI's blocking Send, bracketed by the flight recorder, and two additions (the
+        ``stats`` counters). A 1-D array is C-contiguous exactly when MPI takes it (a strided
+        one raises BufferError, which check_array then explains), so only an array of 2 or more
+        dimensions has its flags read."""
+        if TRACE.calls or EXPLAIN or type(buf) is not np.ndarray \
+                or buf.ndim > 1 and not buf.flags.c_contiguous:
+            return super().Send(buf, dest, tag, what)
+        FLIGHT.waiting = call = (None, self.name, "Send", dest, what)  # the rank: "-> rank 3"
+        try:  # when read (failure._call)
+            self._send(buf, dest, tag)
+        except BufferError:
+            check_array(buf, what=f"Send to {dest}")
+            raise
+        finally:
+            FLIGHT.waiting = None
+        FLIGHT.recent.append(call)
+        self._sends += 1  # counted after the send (Recv: before)
+        self._sent += buf.nbytes
+
+    def Recv(self, buf, source, tag=0, what=""):
+        """Receive into ``buf``; a message of any other size is an error. Written out as Send."""
+        if TRACE.calls or EXPLAIN or type(buf) is not np.ndarray \
+                or buf.ndim > 1 and not buf.flags.c_contiguous:
+            return super().Recv(buf, source, tag, what)
+        n, status = buf.nbytes, self.status
+        self._recvs += 1
+        self._received += n
+        FLIGHT.waiting = call = (None, self.name, "Recv", source, what)  # "<- rank 3" when read
+        try:
+            self._recv(buf, source, tag, status)
+        except BufferError:
+            self._recvs, self._received = self._recvs - 1, self._received - n  # not received
+            check_array(buf, what=f"Recv from {source}")
+            raise
+        finally:
+            FLIGHT.waiting = None
+        if status.Get_count(BYTE) != n:
+            _check_count(status, buf, source)  # raises, saying what came
+        FLIGHT.recent.append(call)
+        return status
+
+    def Allreduce(self, buf, op=MPI.SUM, what=""):
+        """Straight to MPI's blocking Allreduce for a C-contiguous host array (anything else
+        takes the reference path, which refuses it or stages it)."""
+        if type(buf) is not np.ndarray or not buf.flags.c_contiguous:
+            return super().Allreduce(buf, op, what)
+        self._count("Allreduce", sent=buf.nbytes, recv=buf.nbytes)
+        detail, t0 = f"all <-> all ({self.size})", _now()
+        FLIGHT.waiting = (t0, self.name, "Allreduce", detail, what)
+        try:
+            self.mpi.Allreduce(MPI.IN_PLACE, buf, op)
+        finally:
+            FLIGHT.waiting = None
+        self._record("Allreduce", detail, buf.nbytes, t0, what)
+
+
+def communicator(mpi_comm, name):
+    """``mpi_comm`` as a :class:`Comm`: the reference path, or :class:`DirectComm` for a rank
+    that waits with MPI's own Wait."""
+    return (DirectComm if WAIT == "spin" else Comm)(mpi_comm, name)
+
 
 def narrate(text):
     """With --explain, print a line about the step being run, prefixed by the world rank."""
@@ -441,7 +475,7 @@ def step(label, detail):
 
 def world():
     """The whole job as a :class:`Comm`."""
-    return Comm(MPI.COMM_WORLD, "world")
+    return communicator(MPI.COMM_WORLD, "world")
 
 
 def log(*args):
