@@ -94,10 +94,10 @@ def check_array(a, shape=None, dtype=None, what="array"):
         raise ValueError(f"{what}: dtype {a.dtype}, expected {np.dtype(dtype)}")
 
 
-def _check_count(status, buf, source):
+def _check_count(status, buf, source, op="Recv"):
     count = status.Get_count(MPI.BYTE)
     if count != buf.nbytes:
-        raise ValueError(f"Recv from {source}: got {count} bytes, buffer of shape "
+        raise ValueError(f"{op} from {source}: got {count} bytes, buffer of shape "
                          f"{buf.shape} {buf.dtype} expects {buf.nbytes}")
 
 
@@ -242,7 +242,8 @@ class Comm(PickledCalls):
         return Request(self, req, "Recv", detail, buf.nbytes, finish, what)
 
     def Sendrecv(self, sendbuf, dest, recvbuf, source, tag=0, what=""):
-        """Send to ``dest`` and receive from ``source`` at once: cannot deadlock in a ring."""
+        """Send to ``dest`` and receive from ``source`` at once: cannot deadlock in a ring. A
+        message of any other size than ``recvbuf`` is an error, as in :meth:`Recv`."""
         check_array(sendbuf, what=f"Sendrecv to {dest}")
         check_array(recvbuf, what=f"Sendrecv from {source}")
         detail = f"-> {dest}, <- {source}"
@@ -251,9 +252,10 @@ class Comm(PickledCalls):
         host_in, dev = B.host_out(recvbuf)
         rreq = self.mpi.Irecv(host_in, source=source, tag=tag)
         sreq = (self.mpi.Issend if SSEND else self.mpi.Isend)(B.host(sendbuf), dest=dest, tag=tag)
-        call = (self.name, "Sendrecv", detail, what)
+        call, status = (self.name, "Sendrecv", detail, what), MPI.Status()
         wait(sreq, None, call)
-        wait(rreq, None, call)
+        wait(rreq, status, call)
+        _check_count(status, recvbuf, source, "Sendrecv")  # a short message is an error
         B.copy_back(host_in, dev)
         self._record("Sendrecv", detail, sendbuf.nbytes, t0, what)
 

@@ -1,6 +1,7 @@
 """mpirun -n 4 python tests/mpi/comm_checks.py: comm's counting, checks and results."""
 
 import numpy as np
+from mpi4py import MPI
 
 from mpipar.mpi import comm as C
 from mpipar.mpi import waiting
@@ -73,9 +74,10 @@ assert w.total("messages") == 1  # the refused sends were not counted
 # The blocking Send and Recv that go straight to MPI (MPIPAR_WAIT=spin): a strided 1-D view,
 # which they hand to MPI unchecked, and a transposed one are refused with the same words and
 # not counted; what they move is counted in stats like every call (plain counters, folded in
-# when stats is read)
+# when stats is read): DirectComm, what a spinning rank gets
 C.WAIT, strided = "spin", np.arange(8.0)[::2]
-w.reset_stats()
+reference, w = w, C.communicator(MPI.COMM_WORLD, "world")
+assert type(w) is C.DirectComm and type(reference) is C.Comm, (type(w), type(reference))
 for call in (lambda: w.Send(strided, (r + 1) % p), lambda: w.Recv(strided, (r - 1) % p),
              lambda: w.Send(m.T, (r + 1) % p), lambda: w.Recv(m.T, (r - 1) % p)):
     try:
@@ -97,7 +99,7 @@ assert dict(w.stats["Send"]) == {"calls": 3, "sent": 48, "recv": 0, "messages": 
 assert dict(w.stats["Recv"]) == {"calls": 3, "sent": 0, "recv": 48, "messages": 0}, w.stats
 w.reset_stats()
 assert not w.stats and w.total("messages") == 0
-C.WAIT = "backoff"
+C.WAIT, w = "backoff", reference
 
 # A message of the wrong size is an error, not a silent partial receive
 if r == 0:
@@ -109,6 +111,12 @@ elif r == 1:
         assert "got 24 bytes" in str(err), err
     else:
         raise AssertionError("a short message was accepted")
+try:  # the ring's call too: every rank sends 3 values where 5 are expected
+    w.Sendrecv(np.zeros(3), (r + 1) % p, np.zeros(5), (r - 1) % p, tag=10)
+except ValueError as err:
+    assert f"Sendrecv from {(r - 1) % p}: got 24 bytes" in str(err) and "expects 40" in str(err)
+else:
+    raise AssertionError("a short message was accepted by Sendrecv")
 
 w.Barrier()
 if r == 0:
@@ -129,11 +137,11 @@ w.Barrier()
 if r == 0:
     print("non-blocking checks passed", flush=True)
 
-# Every way of waiting (MPIPAR_WAIT) completes blocking and posted calls alike; the sum of one
-# float (a loss) is exact here and is not counted as the scheme's traffic
-w.reset_stats()
+# Every way of waiting (MPIPAR_WAIT) completes blocking and posted calls alike, each through
+# the communicator a rank waiting so gets (DirectComm for spin)
 for mode in waiting.STRATEGIES:
     C.WAIT = mode
+    w = C.communicator(MPI.COMM_WORLD, "world")
     a = np.full(3, float(r))
     w.Allreduce(a)
     got = np.empty(2)
@@ -142,7 +150,7 @@ for mode in waiting.STRATEGIES:
     w.Send(np.full(1, float(r)), (r + 1) % p, tag=7)
     req.wait()
     assert np.all(a == sum(range(p))) and np.all(got == (r - 1) % p), mode
-assert set(w.stats) == {"Allreduce", "Sendrecv", "Recv", "Send"}, set(w.stats)
+    assert set(w.stats) == {"Allreduce", "Sendrecv", "Recv", "Send"}, (mode, set(w.stats))
 w.Barrier()
 if r == 0:
     print(f"waiting checks passed: {', '.join(waiting.STRATEGIES)}", flush=True)
