@@ -21,6 +21,7 @@ from mpi4py import MPI
 
 from mpipar.mpi import comm
 from mpipar.mpi.comm import install_excepthook, refuse
+from mpipar.mpi.direct import communicator
 from mpipar.mpi.explain import say
 
 
@@ -40,13 +41,13 @@ class Grid:
                    f"Layouts for {n} ranks: {valid}")
         if comm.WAIT is None:  # a job without the runner: the default way to wait
             comm.choose_wait()
-        self.world = comm.communicator(mpi_comm, "world")
+        self.world = communicator(mpi_comm, "world")
         self.dp_size, self.tp_size, self.pp_size = dp, tp, pp
         rank = self.world.rank
         self.dp_rank, rest = divmod(rank, pp * tp)
         self.pp_rank, self.tp_rank = divmod(rest, tp)
         # Split(color, key): ranks with the same color form a group, ordered by key.
-        split = lambda color, key, name: comm.communicator(mpi_comm.Split(color, key), name)  # noqa: E731
+        split = lambda color, key, name: communicator(mpi_comm.Split(color, key), name)  # noqa: E731
         self.tp_comm = split(self.dp_rank * pp + self.pp_rank, self.tp_rank, "tp")
         self.pp_comm = split(self.dp_rank * tp + self.tp_rank, self.pp_rank, "pp")
         self.dp_comm = split(self.pp_rank * tp + self.tp_rank, self.dp_rank, "dp")

@@ -4,7 +4,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpipar.mpi import comm as C
-from mpipar.mpi import waiting
+from mpipar.mpi import direct, waiting
 
 C.install_excepthook()
 w = C.world()
@@ -76,8 +76,8 @@ assert w.total("messages") == 1  # the refused sends were not counted
 # not counted; what they move is counted in stats like every call (plain counters, folded in
 # when stats is read): DirectComm, what a spinning rank gets
 C.WAIT, strided = "spin", np.arange(8.0)[::2]
-reference, w = w, C.communicator(MPI.COMM_WORLD, "world")
-assert type(w) is C.DirectComm and type(reference) is C.Comm, (type(w), type(reference))
+reference, w = w, direct.communicator(MPI.COMM_WORLD, "world")
+assert type(w) is direct.DirectComm and type(reference) is C.Comm, (type(w), type(reference))
 for call in (lambda: w.Send(strided, (r + 1) % p), lambda: w.Recv(strided, (r - 1) % p),
              lambda: w.Send(m.T, (r + 1) % p), lambda: w.Recv(m.T, (r - 1) % p)):
     try:
@@ -141,7 +141,7 @@ if r == 0:
 # the communicator a rank waiting so gets (DirectComm for spin)
 for mode in waiting.STRATEGIES:
     C.WAIT = mode
-    w = C.communicator(MPI.COMM_WORLD, "world")
+    w = direct.communicator(MPI.COMM_WORLD, "world")
     a = np.full(3, float(r))
     w.Allreduce(a)
     got = np.empty(2)

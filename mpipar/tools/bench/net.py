@@ -211,12 +211,13 @@ def worker_lockstep(comm, quick):
 
 def worker(kind, quick):
     from mpipar.mpi import comm as C
+    from mpipar.mpi import direct
     from mpipar.mpi.trace import TRACE
 
     C.install_excepthook()
     TRACE.enabled = False  # thousands of calls: keep no timeline
     C.choose_wait()  # as the runner does: how a rank waits on this machine
-    w = C.world()
+    w = direct.world()  # what the grid gives this rank
     {"pingpong": worker_pingpong, "allreduce": worker_allreduce,
      "lockstep": worker_lockstep}[kind](w, quick)
 

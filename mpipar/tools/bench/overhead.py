@@ -2,8 +2,9 @@
 
     python -m mpipar.tools.bench overhead       # overhead.csv and overhead.png in --out
 
-- The comm wrapper (:class:`mpipar.mpi.comm.Comm`: checks, counts, trace, waits) against raw
-  mpi4py for a ping-pong between 2 ranks, 8 bytes and 1 MiB: one-way time, wrapper / raw.
+- The comm wrapper (as the grid hands it out, :func:`mpipar.mpi.direct.communicator`: checks,
+  counts, trace, waits) against raw mpi4py for a ping-pong between 2 ranks, 8 bytes and 1 MiB:
+  one-way time, wrapper / raw.
   Targets: at most 1.3x for 8 bytes, 1.05x for 1 MiB.
 - The autograd engine (:mod:`mpipar.engine.nn`) against the same MLP step in bare NumPy
   (:func:`mpipar.tools.bench.engine.bare_step`) at 16, 32 and 128 rows, the micro-batch sizes of the
@@ -60,10 +61,11 @@ def worker(rounds):
     from mpi4py import MPI
 
     from mpipar.mpi import comm as C
+    from mpipar.mpi import direct
 
     C.install_excepthook()
     C.choose_wait()  # as the runner does: how a rank waits on this machine
-    w, raw = C.world(), MPI.COMM_WORLD
+    w, raw = direct.world(), MPI.COMM_WORLD  # what the grid gives this rank
     peer, first = 1 - w.rank, w.rank == 0
     for n in SIZES:
         buf = np.zeros(n, dtype=np.uint8)
