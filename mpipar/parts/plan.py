@@ -1,6 +1,7 @@
 """Pure planning: per-layer forward FLOPs and output shapes, the balanced partition into
 stages, stage bounds, about how much activation memory a step needs (to refuse a batch that
-cannot fit before any rank starts) and whether a model splits over t tensor-parallel ranks.
+cannot fit before any rank starts), whether a model splits over t tensor-parallel ranks, and
+each model's default run (:data:`DEFAULTS`).
 
 The layers in :mod:`mpipar.engine.nn` know how to run forward and backward and nothing else; what a
 layer costs is read here from its parameters' shapes, one rule per layer type. The pipeline
@@ -24,6 +25,10 @@ import numpy as np
 from mpipar.engine import nn
 
 FREE = (nn.ReLU, nn.GELU, nn.Embedding, nn.GPTEmbedding)  # elementwise or a lookup: ~0 FLOPs
+DEFAULTS = {  # per model, what a run takes unless told: trains well within a minute on 2 cores
+    "mlp": dict(steps=300, batch_size=64, lr=0.05, optim="sgd"),
+    "gpt": dict(steps=250, batch_size=32, lr=3e-3, optim="adam"),
+}
 
 
 # ----------------------------------------------------------------------------- FLOPs and shapes

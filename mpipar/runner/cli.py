@@ -14,13 +14,9 @@ from mpi4py import MPI
 
 from mpipar.engine import backend as B
 from mpipar.mpi import comm
-from mpipar.parts.plan import activation_bytes, memory_bytes, tp_size_problem
+from mpipar.parts.plan import DEFAULTS, activation_bytes, memory_bytes, tp_size_problem
 from mpipar.parts.schedules import CHOICES, SCHEDULES, SPLIT
 
-DEFAULTS = {  # per model: what trains well within a minute on 2 cores
-    "mlp": dict(steps=300, batch_size=64, lr=0.05, optim="sgd"),
-    "gpt": dict(steps=250, batch_size=32, lr=3e-3, optim="adam"),
-}
 SCHEMES = ("serial", "data_parallel", "tensor_parallel", "pipeline", "hybrid")
 DEFAULT_TIMELINE = "pipeline-timeline.png"
 
@@ -28,7 +24,8 @@ DEFAULT_TIMELINE = "pipeline-timeline.png"
 # ----------------------------------------------------------------------------- flags
 def common_flags(ap, scheme):
     """The flags every trainer shares. Per-model defaults (steps, batch, lr, optimizer) are
-    filled in after parsing (:data:`DEFAULTS`), so ``--help`` names them per model."""
+    filled in after parsing (:data:`mpipar.parts.plan.DEFAULTS`), so ``--help`` names them per
+    model."""
     deep = scheme in ("pipeline", "hybrid")  # the GPT by default where stages need layers
     g = ap.add_argument_group("training (shared by every scheme)")
     g.add_argument("--model", choices=["mlp", "gpt"], default="gpt" if deep else "mlp",
