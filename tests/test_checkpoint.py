@@ -78,7 +78,7 @@ def kill_during_a_write(proc, ckpt, after, within=120):
     """Kill every rank of ``proc`` once a checkpoint past step ``after`` is complete and the
     next one's folder is being written (moments set by the run's progress, not a clock)."""
     deadline = time.monotonic() + within
-    while not (complete(ckpt) and complete(ckpt)[-1] > after
+    while not ((done := complete(ckpt)) and done[-1] > after
                and any(n.startswith(".tmp-step-") for n in os.listdir(ckpt))):
         assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before the kill"
         assert time.monotonic() < deadline, f"no checkpoint past step {after} in {within} s"
