@@ -18,12 +18,14 @@ from conftest import MPI_SCRIPTS, ROOT, find_mpirun
 def test_comm_checks_on_4_ranks(mpirun):
     out = mpirun(4, [MPI_SCRIPTS / "comm_checks.py"], timeout=60)
     assert "comm checks passed" in out.stdout and "non-blocking checks passed" in out.stdout
+    assert "count checks passed" in out.stdout
     assert "waiting checks passed: spin, backoff, yield, sleep" in out.stdout
 
 
 def test_comm_checks_with_synchronous_sends(mpirun):
     out = mpirun(4, [MPI_SCRIPTS / "comm_checks.py"], timeout=60, env={"MPIPAR_SSEND": "1"})
     assert "comm checks passed" in out.stdout and "non-blocking checks passed" in out.stdout
+    assert "count checks passed" in out.stdout
     assert "waiting checks passed: spin, backoff, yield, sleep" in out.stdout
 
 

@@ -101,6 +101,25 @@ def _check_count(status, buf, source, op="Recv"):
                          f"{buf.shape} {buf.dtype} expects {buf.nbytes}")
 
 
+def _check_rows(op, whose, a, rows, like=None):
+    """A gather or scatter with counts moves exactly ``rows`` rows of ``a`` (of ``like``'s row
+    shape and dtype): MPI itself would fill a longer buffer only in part, silently."""
+    if a.shape[0] != rows:
+        raise ValueError(f"{op}: {whose} has {a.shape[0]} rows, the counts say {rows}")
+    if like is not None and (a.shape[1:], a.dtype) != (like.shape[1:], like.dtype):
+        raise ValueError(f"{op}: {whose} has rows of shape {a.shape[1:]} {a.dtype}, the other "
+                         f"side's are {like.shape[1:]} {like.dtype}")
+
+
+def _truncated(err, op, source, nbytes):
+    """MPI's error for a message longer than its buffer, as one line naming both sizes (MPI
+    tells only that it was longer); any other MPI error as it came."""
+    if err.Get_error_class() != MPI.ERR_TRUNCATE:
+        return err
+    return ValueError(f"{op} from {source}: got a message longer than the {nbytes} bytes its "
+                      "buffer expects")
+
+
 # "-> rank 3", formatted once per rank: an f-string per call costs a tenth of an 8-byte message
 TO, FROM = lru_cache(None)("-> rank {}".format), lru_cache(None)("<- rank {}".format)
 
@@ -108,8 +127,8 @@ TO, FROM = lru_cache(None)("-> rank {}".format), lru_cache(None)("<- rank {}".fo
 class Request:
     """A posted non-blocking call; ``wait()`` completes it (without spinning) and records it."""
 
-    def __init__(self, comm, mpi_request, op, detail, nbytes, finish=None, what=""):
-        self.comm, self.mpi_request, self.what = comm, mpi_request, what
+    def __init__(self, comm, mpi_request, op, detail, nbytes, finish=None, what="", source=None):
+        self.comm, self.mpi_request, self.what, self.source = comm, mpi_request, what, source
         self.op, self.detail, self.nbytes, self.finish = op, detail, nbytes, finish
         self.t0, self.status = _now(), MPI.Status()
         # complete: MPI has finished the transfer; done: wait() has checked, copied back, recorded
@@ -119,14 +138,20 @@ class Request:
         """Let MPI advance the request (MPICH progresses only inside MPI calls); True once
         it has completed. ``wait()`` must still be called to finish and record it."""
         if not self.complete:
-            self.complete = self.mpi_request.Test(self.status)
+            try:
+                self.complete = self.mpi_request.Test(self.status)
+            except MPI.Exception as err:
+                raise _truncated(err, self.op, self.source, self.nbytes) from None
         return self.complete
 
     def wait(self):
         if not self.done:
             if not self.complete:
-                wait(self.mpi_request, self.status,
-                     (self.comm.name, self.op, self.detail, self.what))
+                try:
+                    wait(self.mpi_request, self.status,
+                         (self.comm.name, self.op, self.detail, self.what))
+                except MPI.Exception as err:
+                    raise _truncated(err, self.op, self.source, self.nbytes) from None
                 self.complete = True
             if self.finish is not None:
                 self.finish(self.status)
@@ -239,7 +264,7 @@ class Comm(PickledCalls):
         if posted:
             self.posted("Irecv", detail, buf.nbytes, what)
         req = self.mpi.Irecv(host, source=source, tag=tag)
-        return Request(self, req, "Recv", detail, buf.nbytes, finish, what)
+        return Request(self, req, "Recv", detail, buf.nbytes, finish, what, source)
 
     def Sendrecv(self, sendbuf, dest, recvbuf, source, tag=0, what=""):
         """Send to ``dest`` and receive from ``source`` at once: cannot deadlock in a ring. A
@@ -254,7 +279,10 @@ class Comm(PickledCalls):
         sreq = (self.mpi.Issend if SSEND else self.mpi.Isend)(B.host(sendbuf), dest=dest, tag=tag)
         call, status = (self.name, "Sendrecv", detail, what), MPI.Status()
         wait(sreq, None, call)
-        wait(rreq, status, call)
+        try:
+            wait(rreq, status, call)
+        except MPI.Exception as err:
+            raise _truncated(err, "Sendrecv", source, recvbuf.nbytes) from None
         _check_count(status, recvbuf, source, "Sendrecv")  # a short message is an error
         B.copy_back(host_in, dev)
         self._record("Sendrecv", detail, sendbuf.nbytes, t0, what)
@@ -320,6 +348,9 @@ class Comm(PickledCalls):
     def Reduce_scatter(self, sendbuf, recvbuf, op=MPI.SUM, what=""):
         """Sum sendbuf over ranks and give rank r block r (equal blocks along axis 0)."""
         check_array(sendbuf, what="Reduce_scatter")
+        if sendbuf.shape[0] % self.size:
+            raise ValueError(f"Reduce_scatter: {sendbuf.shape[0]} rows do not split into "
+                             f"{self.size} equal blocks")
         check_array(recvbuf, (sendbuf.shape[0] // self.size,) + sendbuf.shape[1:],
                     sendbuf.dtype, what="Reduce_scatter result")
         t0 = _now()
@@ -333,14 +364,13 @@ class Comm(PickledCalls):
         """Root splits sendbuf along axis 0 into ``counts[r]`` rows for rank r."""
         check_array(recvbuf, what="Scatterv result")
         row = int(np.prod(recvbuf.shape[1:]))
-        if recvbuf.shape[0] != counts[self.rank]:
-            raise ValueError(f"Scatterv: rank {self.rank} expects {counts[self.rank]} rows, "
-                             f"its buffer has {recvbuf.shape[0]}")
+        _check_rows("Scatterv", f"rank {self.rank}'s buffer", recvbuf, counts[self.rank])
         t0, is_root = _now(), self.rank == root
         elems = [c * row for c in counts]
         send = None
         if is_root:
             check_array(sendbuf, what="Scatterv")
+            _check_rows("Scatterv", f"root {root}'s array", sendbuf, sum(counts), recvbuf)
             send = [B.host(sendbuf), (elems, offsets(elems)), MPI._typedict[sendbuf.dtype.char]]
         host_out, dev = B.host_out(recvbuf)
         self._count("Scatterv", sent=(sendbuf.nbytes - recvbuf.nbytes) if is_root else 0,
@@ -352,12 +382,14 @@ class Comm(PickledCalls):
     def Gatherv(self, sendbuf, counts, recvbuf, root=0, what=""):
         """Root collects ``counts[r]`` rows from rank r into recvbuf, in rank order."""
         check_array(sendbuf, what="Gatherv")
+        _check_rows("Gatherv", f"rank {self.rank}'s array", sendbuf, counts[self.rank])
         row = int(np.prod(sendbuf.shape[1:]))
         t0, is_root = _now(), self.rank == root
         elems = [c * row for c in counts]
         recv, host_out, dev = None, None, None
         if is_root:
             check_array(recvbuf, what="Gatherv result")
+            _check_rows("Gatherv", f"root {root}'s buffer", recvbuf, sum(counts), sendbuf)
             host_out, dev = B.host_out(recvbuf)
             recv = [host_out, (elems, offsets(elems)), MPI._typedict[recvbuf.dtype.char]]
         self._count("Gatherv", sent=0 if is_root else sendbuf.nbytes,

@@ -78,6 +78,8 @@ class DirectComm(comm.Comm):
             self._recvs, self._received = self._recvs - 1, self._received - n  # not received
             comm.check_array(buf, what=f"Recv from {source}")
             raise
+        except MPI.Exception as err:
+            raise comm._truncated(err, "Recv", source, n) from None
         finally:
             FLIGHT.waiting = None
         if status.Get_count(BYTE) != n:

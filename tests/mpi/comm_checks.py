@@ -137,6 +137,57 @@ w.Barrier()
 if r == 0:
     print("non-blocking checks passed", flush=True)
 
+
+def refused(call, *words):
+    """``call()`` raises a ValueError whose line holds every one of ``words``."""
+    try:
+        call()
+    except ValueError as err:
+        assert all(word in str(err) for word in words), (words, err)
+    else:
+        raise AssertionError(f"accepted: {words}")
+
+
+# Every receive checks what arrived: a message longer than its buffer (MPI's truncation error,
+# as one line), a posted receive completed by wait() or by test(), the spinning rank's direct
+# Recv, and the ring's Sendrecv
+if r == 0:
+    for k in range(4):
+        w.Send(np.zeros(6), 1, tag=20 + k)
+    w.Send(np.zeros(4), 1, tag=24)
+elif r == 1:
+    refused(lambda: w.Recv(np.zeros(4), 0, tag=20), "Recv from 0", "longer than the 32 bytes")
+    refused(lambda: w.Irecv(np.zeros(4), 0, tag=21).wait(), "longer than the 32 bytes")
+    req = w.Irecv(np.zeros(4), 0, tag=22)
+    refused(lambda: [req.test() for _ in iter(int, 1)], "longer than the 32 bytes")
+    C.WAIT = "spin"
+    spinning = direct.communicator(MPI.COMM_WORLD, "world")
+    assert type(spinning) is direct.DirectComm, type(spinning)
+    refused(lambda: spinning.Recv(np.zeros(4), 0, tag=23), "Recv from 0", "longer than the 32")
+    C.WAIT = "backoff"
+    refused(lambda: w.Irecv(np.zeros(6), 0, tag=24).wait(), "got 32 bytes", "expects 48")
+refused(lambda: w.Sendrecv(np.zeros(6), (r + 1) % p, np.zeros(5), (r - 1) % p, tag=25),
+        f"Sendrecv from {(r - 1) % p}: got a message longer than the 40 bytes")
+
+# The gathers and scatters with counts move exactly the rows the counts name: a rank whose
+# array disagrees with its count (every rank here), a root whose buffer disagrees with their
+# sum (the root alone calls: nothing reaches MPI), and a reduce-scatter of uneven blocks
+refused(lambda: w.Gatherv(np.zeros((3, 2)), [2] * p, None), f"rank {r}'s array has 3 rows, "
+        "the counts say 2")
+refused(lambda: w.Scatterv(None, [2] * p, np.zeros((3, 2))), f"rank {r}'s buffer has 3 rows")
+refused(lambda: w.Reduce_scatter(np.zeros(p + 1), np.zeros(1)),
+        f"{p + 1} rows do not split into {p} equal blocks")
+if r == 0:
+    refused(lambda: w.Gatherv(np.zeros((2, 2)), [2] * p, np.zeros((2 * p + 1, 2))),
+            "root 0's buffer has", f"the counts say {2 * p}")
+    refused(lambda: w.Gatherv(np.zeros((2, 2)), [2] * p, np.zeros((2 * p, 3))),
+            "rows of shape (3,) float64, the other side's are (2,) float64")
+    refused(lambda: w.Scatterv(np.zeros((2 * p - 1, 2)), [2] * p, np.zeros((2, 2))),
+            "root 0's array has", f"the counts say {2 * p}")
+w.Barrier()
+if r == 0:
+    print("count checks passed", flush=True)
+
 # Every way of waiting (MPIPAR_WAIT) completes blocking and posted calls alike, each through
 # the communicator a rank waiting so gets (DirectComm for spin)
 for mode in waiting.STRATEGIES:

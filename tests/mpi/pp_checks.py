@@ -194,6 +194,23 @@ def check_header():
             raise AssertionError("a wrong micro-batch id was accepted")
         pp.Recv(np.empty((3, 2)), 0, PP.TAG_ACT)  # drain the payload
     pp.Barrier()
+    # a header of another length (8 numbers where 10 are expected), and a payload of another
+    # size than its header names (3 x 1 where 3 x 2 is announced): each named, never used
+    header = np.zeros(PP.HEADER_LEN, dtype=np.int64)
+    header[:6] = PP.TAG_ACT, 4, ord("d"), 2, 3, 2
+    if r == 0:
+        pp.Send(header[:8].copy(), 1, PP.TAG_ACT)
+        pp.Send(header, 1, PP.TAG_ACT)
+        pp.Send(np.ones((3, 1)), 1, PP.TAG_ACT)
+    elif r == 1:
+        for expect in ("got 64 bytes", "got 24 bytes"):  # the short header, the short payload
+            try:
+                PP.recv_tensor(pp, 0, PP.TAG_ACT, micro_id=4, rows=3, dtype=np.float64)
+            except ValueError as err:
+                assert f"Recv from 0: {expect}" in str(err) and "expects" in str(err), err
+            else:
+                raise AssertionError(f"a message that {expect} was accepted")
+    pp.Barrier()
 
 
 B.use("numpy", "float64")
