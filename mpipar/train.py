@@ -216,7 +216,7 @@ def check_paths(a):
     problem = None
     if MPI.COMM_WORLD.Get_rank() == 0:
         problem = path_problem(a)
-    problem = MPI.COMM_WORLD.bcast(problem, root=0)
+    problem = comm.world().bcast_obj(problem, root=0, what="rank 0's verdict on the paths")
     if problem:
         comm.refuse(problem)
 
@@ -331,8 +331,8 @@ def main(scheme, argv=None, trainer_cls=None):
     if scheme == "pipeline" and a.print_schedule:
         comm.log(format_schedule(a.schedule, a.stages, a.micro_batches, a.chunks))
         return
-    check_paths(a)
-    comm.start_watchdog(a.timeout)  # a rank that waits longer in one call ends the job
+    comm.start_watchdog(a.timeout)  # from the first collective on, a rank that waits longer
+    check_paths(a)  # in one call ends the job
     comm.choose_wait(long_waits=scheme == "pipeline")  # a stage waits a micro-batch's compute
     task = serial.Task(a)
     check_model(scheme, a, task)

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 from conftest import MPI_SCRIPTS, ROOT, find_mpirun
 
+from mpipar.runner import checkpoint
+
 
 def test_comm_checks_on_4_ranks(mpirun):
     out = mpirun(4, [MPI_SCRIPTS / "comm_checks.py"], timeout=60)
@@ -184,6 +186,45 @@ def test_a_stopped_rank_ends_the_job_and_the_launcher_kills_it_too(mpirun):
     for pid, _ in left:  # never leave a stopped process behind, even when the test fails
         os.kill(pid, signal.SIGKILL)
     assert not left, f"processes of the job still alive (pid, state): {left}"
+
+
+STOPS = {  # moment of tests/mpi/stop_at.py: the call the others' watchdogs name
+    "paths": "Split_type on world: all ranks",  # rank 0's verdict went out eagerly: it waits next
+    "machine": "Split_type on world: all ranks  (which ranks share this machine)",
+    "grid": "Split on world: all ranks  (the tp groups)",
+    "write": "gather on world: all -> root 0 (pickled)  (each rank's pieces)",
+    "rename": "Barrier on world: all ranks",
+    "load": "bcast on world: root 0 -> all (pickled)  (the manifest)",
+    "finalize": "Barrier on world: all ranks  (the end of the job, before MPI_Finalize)",
+}
+
+
+@pytest.mark.parametrize("moment", list(STOPS))
+def test_a_rank_stopped_at_any_moment_of_a_run_ends_the_job(mpirun, tmp_path, moment):
+    """One rank stops (SIGSTOP) at start-up, while a checkpoint is written or loaded, or at the
+    end: the others' watchdogs name the call they wait in and end the job, with no process
+    left and the last checkpoint whole."""
+    ckpt = tmp_path / "ckpt"
+    flags = ["--model", "mlp", "--steps", "4", "--checkpoint-every", "2", "--timeout", "3",
+             "--quiet", "--checkpoint", str(ckpt)]
+    if moment == "load":
+        mpirun(4, ["-m", "mpipar.data_parallel"] + flags, timeout=120)
+        flags = flags[:2] + ["--steps", "6"] + flags[4:] + ["--resume", str(ckpt)]
+    proc = mpirun(4, [MPI_SCRIPTS / "stop_at.py", moment] + flags, timeout=90, check=False)
+    time.sleep(0.5)
+    left = leftovers(proc.stdout)
+    for pid, _ in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes of the job still alive (pid, state): {left}"
+    assert proc.returncode == 124 and STOPS[moment] in proc.stderr, proc.stderr
+    waited = [float(s) for s in re.findall(r"watchdog: waited (\d+\.\d) s", proc.stderr)]
+    assert waited and max(waited) < 15, waited  # by the watchdogs' own clock, from the stop
+    assert ("past the run" in proc.stdout) == (moment == "finalize"), proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr
+    if ckpt.exists():  # every step-N folder left is a whole checkpoint
+        folders = sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step-"))
+        assert folders == checkpoint.checkpoints(ckpt), (folders, checkpoint.checkpoints(ckpt))
+        assert moment != "load" or folders[-1] == "step-00000004", folders
 
 
 def test_the_watchdog_watches_pickled_calls_too(mpirun):

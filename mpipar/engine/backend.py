@@ -52,7 +52,10 @@ def on_this_machine():
     shared-memory split."""
     from mpi4py import MPI
 
-    local = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    from mpipar.mpi.failure import watched
+
+    with watched("Split_type", "all ranks", "which ranks share this machine"):
+        local = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
     rank, size = local.Get_rank(), local.Get_size()
     local.Free()
     return rank, size

@@ -21,11 +21,16 @@ comm, so comm can import it.
 Run ``mpirun -n 4 python tests/mpi/hang.py 1 sleep 3``: rank 1 sleeps and never calls MPI; the
 others wait in an Allreduce, and after 3 s their watchdogs print and abort the job.
 
-Left out: a hang outside mpipar.mpi.comm's calls (inside MPI_Finalize, a bare mpi4py call) is not
-watched; and the watchdog cannot tell a hung partner from a slow one, so ``--timeout`` must
-exceed the longest time a rank may legitimately wait for the others (an evaluation, a save).
+Every wait of a job is watched, from its first collective to its last: each call of
+mpipar.mpi.comm, and the bare mpi4py calls around them (the grid's Split, the shared-memory
+split that counts a machine's ranks) through :func:`watched`; once the watchdog runs, the ranks
+meet in a watched barrier before MPI_Finalize (:func:`_finalize`), where no watchdog could act.
+The watchdog cannot tell a hung partner from a slow one, so ``--timeout``
+must exceed the longest time a rank may legitimately wait for the others (an evaluation, a
+save).
 """
 
+import atexit
 import os
 import signal
 import sys
@@ -33,6 +38,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from contextlib import contextmanager
 
 from mpi4py import MPI
 
@@ -171,6 +177,31 @@ def _watch_interrupts():
 
 
 # ----------------------------------------------------------------------------- 3. hangs
+@contextmanager
+def watched(op, detail, what="", name="world"):
+    """Run a bare blocking MPI call (one that mpipar.mpi.comm does not make) where the watchdog
+    sees it, as it sees every call of comm: ``with watched("Split", "all ranks"): ...``."""
+    FLIGHT.waiting = (MPI.Wtime(), name, op, detail, what)
+    try:
+        yield
+    finally:
+        FLIGHT.waiting = None
+    FLIGHT.recent.append((MPI.Wtime(), name, op, detail, what))
+
+
+def _finalize():
+    """The end of the job (an atexit function): every rank meets in a watched barrier, then
+    calls MPI_Finalize. MPI_Finalize waits for every rank too, but there no watchdog can act (MPI
+    refuses every call once it has begun, MPI_Abort included), so a rank stopped before the end
+    is caught in the barrier, by the same limit as any other wait."""
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        request = MPI.COMM_WORLD.Ibarrier()
+        with watched("Barrier", "all ranks", "the end of the job, before MPI_Finalize"):
+            while not request.Test():
+                time.sleep(1e-3)
+        MPI.Finalize()
+
+
 def start_watchdog(seconds):
     """End the job when this rank waits longer than ``seconds`` inside one MPI call.
 
@@ -186,6 +217,7 @@ def start_watchdog(seconds):
     if "watchdog" in _started:
         return
     _started.add("watchdog")
+    atexit.register(_finalize)
 
     def watch():
         seen, since = None, 0.0  # the call last seen, and since when it waits

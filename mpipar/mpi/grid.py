@@ -23,6 +23,7 @@ from mpipar.mpi import comm
 from mpipar.mpi.comm import install_excepthook, refuse
 from mpipar.mpi.direct import communicator
 from mpipar.mpi.explain import say
+from mpipar.mpi.failure import watched
 
 
 def layouts(n):
@@ -47,7 +48,10 @@ class Grid:
         self.dp_rank, rest = divmod(rank, pp * tp)
         self.pp_rank, self.tp_rank = divmod(rest, tp)
         # Split(color, key): ranks with the same color form a group, ordered by key.
-        split = lambda color, key, name: communicator(mpi_comm.Split(color, key), name)  # noqa: E731
+        def split(color, key, name):
+            with watched("Split", "all ranks", f"the {name} groups"):
+                return communicator(mpi_comm.Split(color, key), name)
+
         self.tp_comm = split(self.dp_rank * pp + self.pp_rank, self.tp_rank, "tp")
         self.pp_comm = split(self.dp_rank * tp + self.tp_rank, self.pp_rank, "pp")
         self.dp_comm = split(self.pp_rank * tp + self.tp_rank, self.dp_rank, "dp")

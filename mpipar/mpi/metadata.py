@@ -3,15 +3,13 @@
 Arrays never travel this way: :class:`mpipar.mpi.comm.Comm` sends them through the buffer API,
 checked and counted. A batch's shapes, a step number, a count per stage or a report does, and
 these calls, which every ``Comm`` has, carry it. They are blocking mpi4py calls that never pass
-through :func:`mpipar.mpi.comm.wait`, so they set the flight recorder's ``waiting`` themselves:
-the watchdog names them too. None is counted in ``Comm.stats``, which hold the traffic of the
+through :func:`mpipar.mpi.comm.wait`, so they run :func:`mpipar.mpi.failure.watched`: the
+watchdog names them too. None is counted in ``Comm.stats``, which hold the traffic of the
 scheme itself.
 """
 
-from mpi4py import MPI
-
 from mpipar.mpi import explain
-from mpipar.mpi.failure import FLIGHT
+from mpipar.mpi.failure import watched
 
 
 class PickledCalls:
@@ -31,10 +29,5 @@ class PickledCalls:
         """A blocking lower-case call, watched by the flight recorder like every wait."""
         detail += " (pickled)"
         self.say(f"{op:<14} {detail}{explain.about(what)}")
-        FLIGHT.waiting = (MPI.Wtime(), self.name, op, detail, what)
-        try:
-            result = call(*args)
-        finally:
-            FLIGHT.waiting = None
-        FLIGHT.recent.append((MPI.Wtime(), self.name, op, detail, what))
-        return result
+        with watched(op, detail, what, self.name):
+            return call(*args)

@@ -38,7 +38,6 @@ import shutil
 from collections import namedtuple
 
 import numpy as np
-from mpi4py import MPI
 
 from mpipar.engine import backend as B
 from mpipar.engine.parameters import put, take
@@ -148,8 +147,8 @@ def _sync_dir(path):
 def save(directory, trainer, a, steps_done, loss):
     """Write a checkpoint of the run after ``steps_done`` steps into ``directory`` (every rank
     calls this). Returns the checkpoint's path."""
-    world = MPI.COMM_WORLD
-    rank = world.Get_rank()
+    world = comm.world()  # its calls are watched: a stopped rank ends the job, here too
+    rank = world.rank
     final = os.path.join(directory, f"step-{steps_done:08d}")
     tmp = os.path.join(directory, f".tmp-step-{steps_done:08d}")
     if rank == 0:
@@ -157,7 +156,7 @@ def save(directory, trainer, a, steps_done, loss):
             if name.startswith((".tmp-step-", ".old-step-")):
                 shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
         os.makedirs(tmp)
-    world.barrier()
+    world.Barrier()
     mine = [s for s in slots_of(trainer) if s.write]
     name = f"rank-{rank:05d}.npz"
     arrays = {f"a{i}": B.to_numpy(s.array) for i, s in enumerate(mine)}
@@ -165,7 +164,7 @@ def save(directory, trainer, a, steps_done, loss):
     pieces = [dict(name=s.name, kind=s.kind, shape=s.shape, select=s.select, file=name,
                    key=f"a{i}") for i, s in enumerate(mine)]
     t = [o.t for o in trainer.optimizers() if hasattr(o, "t")]
-    gathered = world.gather((name, digest, pieces, t), root=0)  # small metadata: no arrays
+    gathered = world.gather_obj((name, digest, pieces, t), root=0, what="each rank's pieces")
     if rank == 0:
         manifest = dict(format=FORMAT, step=steps_done, loss=loss, config=model_config(a),
                         layout=dict(scheme=a.scheme, dp=a.dp, tp=a.tp, pp=a.pp, ranks=world.size),
@@ -181,7 +180,7 @@ def save(directory, trainer, a, steps_done, loss):
         _sync_dir(directory)
         for old in sorted(checkpoints(directory))[:-max(a.keep, 1)]:
             retire(directory, old)
-    world.barrier()
+    world.Barrier()
     return final
 
 
@@ -262,9 +261,9 @@ def assemble(where, pieces, shape, files, key):
 def load(path, trainer, a):
     """Fill this rank's parameters and optimizer state from the checkpoint ``path`` names
     (every rank calls this); returns (steps done, the last loss). Refuses on every rank."""
-    world = MPI.COMM_WORLD
-    manifest, problem = inspect(path, a) if world.Get_rank() == 0 else (None, None)
-    manifest, problem = world.bcast((manifest, problem), root=0)  # small metadata
+    world = comm.world()  # watched calls, as in save
+    manifest, problem = inspect(path, a) if world.rank == 0 else (None, None)
+    manifest, problem = world.bcast_obj((manifest, problem), root=0, what="the manifest")
     if problem:
         comm.refuse(problem)
     by_key, files, fulls = {}, {}, {}
@@ -278,7 +277,7 @@ def load(path, trainer, a):
             s.array[...] = B.asarray(take(fulls[key], s.select)).reshape(s.array.shape)
     except ValueError as err:
         problem = str(err)
-    problems = [p for p in world.allgather(problem) if p]
+    problems = [p for p in world.allgather_obj(problem, what="each rank's verdict") if p]
     if problems:
         comm.refuse(problems[0])
     for o in trainer.optimizers():
