@@ -22,6 +22,15 @@ DEFAULT_TIMELINE = "pipeline-timeline.png"
 
 
 # ----------------------------------------------------------------------------- flags
+def given(value):
+    """An argparse type for a path or a list: an empty string names nothing, so it is refused
+    (a run would otherwise finish and save nothing)."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("an empty value names nothing: give one, or leave "
+                                         "the flag out")
+    return value
+
+
 def common_flags(ap, scheme):
     """The flags every trainer shares. Per-model defaults (steps, batch, lr, optimizer) are
     filled in after parsing (:data:`mpipar.parts.plan.DEFAULTS`), so ``--help`` names them per
@@ -39,7 +48,7 @@ def common_flags(ap, scheme):
     g.add_argument("--dtype", choices=["float32", "float64"], default="float32",
                    help="float64 for exact comparisons between schemes")
     g.add_argument("--backend", choices=["numpy", "cupy"], default="numpy")
-    g.add_argument("--save-params", metavar="FILE.npz",
+    g.add_argument("--save-params", metavar="FILE.npz", type=given,
                    help="write the trained parameters under their canonical names")
     g.add_argument("--log-every", type=int, default=0, help="print the loss every N steps")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -51,13 +60,13 @@ def common_flags(ap, scheme):
     g.add_argument("--memory", action="store_true",
                    help="after training, print every rank's bytes by kind, counted from its arrays")
     c = ap.add_argument_group("checkpoints and failures")
-    c.add_argument("--checkpoint", metavar="DIR",
+    c.add_argument("--checkpoint", metavar="DIR", type=given,
                    help="write a checkpoint into DIR at the end (and every --checkpoint-every)")
     c.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
                    help="also write one every K steps (default 0: only at the end)")
     c.add_argument("--keep", type=int, default=2, metavar="N",
                    help="checkpoints kept in DIR (default 2)")
-    c.add_argument("--resume", metavar="DIR",
+    c.add_argument("--resume", metavar="DIR", type=given,
                    help="continue from DIR's newest checkpoint, written by any scheme and layout")
     c.add_argument("--timeout", type=float, default=600.0, metavar="S",
                    help="end the job when a rank waits more than S seconds in one MPI call, "
@@ -99,7 +108,7 @@ def pipeline_flags(g, schedules, micro_help):
     g.add_argument("--schedule", default="1f1b", metavar="{" + ",".join(schedules) + "}",
                    help=f"{', '.join(schedules)} (default 1f1b)")
     g.add_argument("--micro-batches", type=int, metavar="M", help=micro_help)
-    g.add_argument("--partition", metavar="N,N,...",
+    g.add_argument("--partition", metavar="N,N,...", type=given,
                    help="layers per stage by hand, e.g. 2,1,1 (default: balance the FLOPs)")
 
 
@@ -126,7 +135,7 @@ def scheme_flags(ap, scheme):
         g.add_argument("--chunks", type=int, metavar="V",
                        help="model chunks per rank for --schedule interleaved (default 2; the "
                             "model is cut into P*V pieces)")
-        g.add_argument("--timeline", default=DEFAULT_TIMELINE, metavar="FILE.png",
+        g.add_argument("--timeline", default=DEFAULT_TIMELINE, metavar="FILE.png", type=given,
                        help="Gantt chart of a real step's trace, the median step by duration "
                             f"(default {DEFAULT_TIMELINE}; 'none' for no chart)")
         g.add_argument("--print-schedule", action="store_true",
