@@ -142,6 +142,9 @@ class PipelineReport(Report):
         in_flight = [peak_in_flight(self.trainer.schedule_of(s)) for s in range(p)]
         shared = f" ({p} ranks on {B.cores()} cores)" if p > B.cores() else ""
         kept = len(summaries[0])
+        if not kept:  # resumed at --steps: no step ran
+            return [], [f"no step ran (resumed after step {a.steps}, the last of --steps): no "
+                        "trace, so no bubble measured and no timeline drawn"]
         first = a.steps - kept  # the steps before the first one kept
         skip = 1 if first == self.start and kept > 1 else 0  # the run's first step warms up
         steps = f"steps {first + skip + 1}..{a.steps}" if a.steps > first + skip + 1 else \

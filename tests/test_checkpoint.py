@@ -143,7 +143,18 @@ def test_a_bad_checkpoint_is_refused_on_every_rank(written, tmp_path, damage, fl
     elif damage == "manifest":
         (ckpt / "manifest.json").write_text("{")
     assert_refused(2, "pipeline", [*GPT, *COMMON, "--steps", "5", "--timeline", "none",
-                                   "--resume", str(ckpt), *flags], message, within=30)
+                                   "--resume", str(ckpt), *flags], message)
+
+
+@pytest.mark.parametrize("ranks,scheme", [(2, ["pipeline"]), (4, ["hybrid", "--pp", "2"]),
+                                          (2, ["data_parallel"]), (1, ["serial"])])
+def test_resuming_at_the_last_step_trains_nothing_and_says_so(written, ranks, scheme):
+    """--steps equal to the checkpoint's step: no step runs, the report is made of what there
+    is (the pipeline's trace of no step: no bubble, no timeline)."""
+    out = run_mpi(ranks, ["-m", f"mpipar.{scheme[0]}", *scheme[1:], *GPT, *COMMON, "--steps", "3",
+                          "--resume", written], timeout=120).stdout
+    assert f"resumed from {written} after step 3" in out and "final train loss" in out, out
+    assert ("no step ran (resumed after step 3" in out) == (scheme[0] == "pipeline"), out
 
 
 def test_output_paths_are_checked_before_training(tmp_path):
