@@ -1,6 +1,7 @@
 """Checkpoints: a run resumed on another layout equals the uninterrupted serial run, a kill
 during a write leaves the previous checkpoint whole, and bad checkpoints are refused."""
 
+import json
 import os
 import shutil
 import signal
@@ -8,10 +9,12 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 from conftest import ROOT, assert_params_close, assert_refused, find_mpirun, run_mpi
 
 from mpipar import train
+from mpipar.runner import checkpoint
 
 MLP = ["--model", "mlp", "--sizes", "64,16,12,10", "--batch-size", "12"]
 GPT = ["--model", "gpt", "--d-model", "16", "--n-heads", "4", "--n-layers", "2",
@@ -144,6 +147,87 @@ def test_a_bad_checkpoint_is_refused_on_every_rank(written, tmp_path, damage, fl
         (ckpt / "manifest.json").write_text("{")
     assert_refused(2, "pipeline", [*GPT, *COMMON, "--steps", "5", "--timeline", "none",
                                    "--resume", str(ckpt), *flags], message)
+
+
+def _piece(m, i=0, **changes):
+    m["pieces"][i].update(changes)
+
+
+def _rewrite(ckpt, name, arrays):
+    """Replace a rank's file by ``arrays`` and give the manifest its new digest (a crafted
+    file that passes the digest check)."""
+    with open(ckpt / name, "wb") as f:
+        np.savez(f, **arrays)
+    m = json.loads((ckpt / "manifest.json").read_text())
+    m["files"][name] = checkpoint._sha256(ckpt / name)
+    (ckpt / "manifest.json").write_text(json.dumps(m))
+
+
+def _truncate_with_digest(ckpt):
+    data = (ckpt / "rank-00001.npz").read_bytes()
+    (ckpt / "rank-00001.npz").write_bytes(data[:len(data) // 2])
+    m = json.loads((ckpt / "manifest.json").read_text())
+    m["files"]["rank-00001.npz"] = checkpoint._sha256(ckpt / "rank-00001.npz")
+    (ckpt / "manifest.json").write_text(json.dumps(m))
+
+
+def _wrong_shape_with_digest(ckpt):
+    m = json.loads((ckpt / "manifest.json").read_text())
+    keys = [p["key"] for p in m["pieces"] if p["file"] == "rank-00000.npz"]
+    _rewrite(ckpt, "rank-00000.npz", {k: np.zeros(3) for k in keys})
+
+
+CORRUPTIONS = {  # name: (change to the parsed manifest, or to the folder), words of the refusal
+    "a list": (lambda ckpt: (ckpt / "manifest.json").write_text("[]"), "a list, not an object"),
+    "no step": (lambda m: m.pop("step"), "step missing or of the wrong type"),
+    "step text": (lambda m: m.update(step="3"), "step missing or of the wrong type"),
+    "step true": (lambda m: m.update(step=True), "step missing or of the wrong type"),
+    "step negative": (lambda m: m.update(step=-1), "step, loss or adam_t is not"),
+    "loss text": (lambda m: m.update(loss="low"), "step, loss or adam_t is not"),
+    "adam_t text": (lambda m: m.update(adam_t="1"), "step, loss or adam_t is not"),
+    "format text": (lambda m: m.update(format="1"), "format missing or of the wrong type"),
+    "config list": (lambda m: m.update(config=[]), "config missing or of the wrong type"),
+    "files list": (lambda m: m.update(files=[]), "files missing or of the wrong type"),
+    "file path": (lambda m: m["files"].update({"../x.npz": "0" * 64}), "'../x.npz'"),
+    "digest number": (lambda m: m["files"].update({"rank-00000.npz": 5}), "no file name"),
+    "pieces object": (lambda m: m.update(pieces={}), "pieces missing or of the wrong type"),
+    "piece text": (lambda m: m["pieces"].__setitem__(0, "w"), "piece 0 lacks one of"),
+    "no select": (lambda m: m["pieces"][0].pop("select"), "piece 0 lacks one of"),
+    "shape text": (lambda m: _piece(m, shape="16"), "piece 0 lacks one of"),
+    "shape float": (lambda m: _piece(m, shape=[16.5]), "piece 0 has a shape [16.5]"),
+    "file unlisted": (lambda m: _piece(m, file="rank-00009.npz"), "'rank-00009.npz' not listed"),
+    "axis beyond": (lambda m: _piece(m, select=["axis", 5, [[0, 1]]]), "does not fit shape"),
+    "run beyond": (lambda m: _piece(m, select=["flat", 0, 10 ** 9]), "outside"),
+    "range reversed": (lambda m: _piece(m, select=["axis", 0, [[3, 1]]]), "does not fit"),
+    "select unknown": (lambda m: _piece(m, select=["bogus"]), "select ['bogus'] does not fit"),
+    "select narrower": (lambda m: _piece(m, select=["flat", 0, 1]), "where the manifest names"),
+    "key unknown": (lambda m: _piece(m, key="zz"), "holds no array 'zz'"),
+    "shape other": (lambda m: _piece(m, shape=m["pieces"][0]["shape"] + [1]),
+                    "the manifest gives"),
+    "no pieces": (lambda m: m.update(pieces=[]), "the checkpoint has no param of"),
+    "truncated, digest matching": (_truncate_with_digest, "rank-00001.npz is unreadable"),
+    "wrong shapes, digest matching": (_wrong_shape_with_digest, "where the manifest names"),
+}
+
+
+@pytest.mark.parametrize("name", list(CORRUPTIONS))
+def test_a_crafted_manifest_is_refused_in_one_line(written, tmp_path, capsys, name):
+    """Valid JSON of the wrong shape, and files that match their digests but not the
+    manifest: each refused with one line and exit code 2, never a traceback or a silent cast."""
+    change, words = CORRUPTIONS[name]
+    ckpt = tmp_path / "copy"
+    shutil.copytree(written, ckpt)
+    if change.__code__.co_varnames[:1] == ("ckpt",):  # a change to the folder
+        change(ckpt)
+    else:
+        m = json.loads((ckpt / "manifest.json").read_text())
+        change(m)  # in place
+        (ckpt / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(SystemExit) as stop:
+        train.main("serial", [*GPT, *COMMON, "--steps", "5", "--resume", str(ckpt)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and err.startswith("error: --resume")
+    assert words in err, err
 
 
 @pytest.mark.parametrize("ranks,scheme", [(2, ["pipeline"]), (4, ["hybrid", "--pp", "2"]),

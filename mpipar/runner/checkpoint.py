@@ -35,6 +35,7 @@ import hashlib
 import json
 import os
 import shutil
+import zipfile
 from collections import namedtuple
 
 import numpy as np
@@ -210,6 +211,53 @@ def find(path):
     return os.path.join(path, found[-1]) if found else None
 
 
+def _is_int(x, low=0):
+    return type(x) is int and x >= low
+
+
+def _select_problem(select, shape):
+    """Why ``select`` names no part of a tensor of ``shape`` (None when it does)."""
+    size = int(np.prod(shape))
+    if select == ["all"]:
+        return None
+    if len(select) == 3 and select[0] == "flat" and _is_int(select[1]) and _is_int(select[2]):
+        return None if select[1] < select[2] <= size else f"run {select[1:]} outside {size}"
+    if len(select) == 3 and select[0] == "axis" and _is_int(select[1]) and select[1] < len(shape) \
+            and isinstance(select[2], list) and select[2] and all(
+                isinstance(r, list) and len(r) == 2 and _is_int(r[0]) and _is_int(r[1])
+                and r[0] < r[1] <= shape[select[1]] for r in select[2]):
+        return None
+    return f"select {select} does not fit shape {shape}"
+
+
+def manifest_problem(m):
+    """Why ``m`` (a parsed manifest.json) is not one this code wrote, or None: every key of
+    the right type, every piece naming a part of its tensor and a file the manifest lists."""
+    if not isinstance(m, dict):
+        return f"a {type(m).__name__}, not an object"
+    want = dict(format=int, step=int, config=dict, files=dict, pieces=list)
+    missing = [k for k, kind in want.items() if type(m.get(k)) is not kind]
+    if missing:
+        return f"{', '.join(missing)} missing or of the wrong type"
+    if not _is_int(m["step"]) or not isinstance(m.get("loss"), (int, float, type(None))) or \
+            not (m.get("adam_t") is None or _is_int(m["adam_t"])):
+        return "step, loss or adam_t is not a count or number"
+    for name, digest in m["files"].items():
+        if os.path.basename(name) != name or name in ("", ".", "..") or \
+                not (isinstance(digest, str) and len(digest) == 64):
+            return f"file entry {name!r}: {digest!r} is no file name and SHA-256"
+    keys = dict(name=str, kind=str, shape=list, select=list, file=str, key=str)
+    for i, piece in enumerate(m["pieces"]):
+        if not isinstance(piece, dict) or any(type(piece.get(k)) is not t for k, t in keys.items()):
+            return f"piece {i} lacks one of {', '.join(keys)} or has it of the wrong type"
+        if not all(_is_int(n) for n in piece["shape"]) or piece["file"] not in m["files"]:
+            return f"piece {i} has a shape {piece['shape']} or a file {piece['file']!r} not listed"
+        problem = _select_problem(piece["select"], piece["shape"])
+        if problem:
+            return f"piece {i}: {problem}"
+    return None
+
+
 def inspect(path, a):
     """(manifest, None), or (None, why this run cannot resume from ``path``). One rank reads
     every file once to check its SHA-256; the others wait for its verdict."""
@@ -219,9 +267,12 @@ def inspect(path, a):
     try:
         with open(os.path.join(where, "manifest.json")) as f:
             manifest = json.load(f)
-        config, step = manifest["config"], manifest["step"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except (OSError, ValueError) as err:  # a JSON error is a ValueError, a bad UTF-8 too
         return None, f"--resume {where}: the manifest is unreadable ({err})"
+    problem = manifest_problem(manifest)
+    if problem:
+        return None, f"--resume {where}: the manifest is not a checkpoint's ({problem})"
+    config, step = manifest["config"], manifest["step"]
     want = model_config(a)
     differ = [f"{k} {config.get(k)} (this run: {want.get(k)})" for k in sorted(want)
               if config.get(k) != want.get(k)]
@@ -240,15 +291,45 @@ def inspect(path, a):
     return manifest, None
 
 
+def _read(where, piece, files):
+    """The array a piece names, its file opened once (a file whose digest matched can still be
+    no .npz: the digest was written with it)."""
+    name = piece["file"]
+    try:
+        if name not in files:
+            files[name] = np.load(os.path.join(where, name), allow_pickle=False)
+        return files[name][piece["key"]]
+    except KeyError:
+        raise ValueError(f"--resume {where}: {name} holds no array {piece['key']!r}") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
+        raise ValueError(f"--resume {where}: {name} is unreadable ({err})") from None
+
+
+def _piece_shape(select, shape):
+    """The shape of the part ``select`` names of a tensor of ``shape`` (as :func:`take`)."""
+    if select[0] == "all":
+        return tuple(shape)
+    if select[0] == "flat":
+        return (select[2] - select[1],)
+    axis, rows = select[1], sum(b - a for a, b in select[2])
+    return tuple(rows if i == axis else n for i, n in enumerate(shape))
+
+
 def assemble(where, pieces, shape, files, key):
     """The full tensor ``key`` = (name, kind) from its pieces, every entry covered."""
     if not pieces:
         raise ValueError(f"--resume {where}: the checkpoint has no {key[1]} of {key[0]}")
     full, seen = None, np.zeros(shape, dtype=bool)
     for piece in pieces:
-        if piece["file"] not in files:
-            files[piece["file"]] = np.load(os.path.join(where, piece["file"]), allow_pickle=False)
-        value = files[piece["file"]][piece["key"]]
+        if tuple(piece["shape"]) != tuple(shape):
+            raise ValueError(f"--resume {where}: the manifest gives {key[0]} the shape "
+                             f"{tuple(piece['shape'])}, this run {tuple(shape)}")
+        value = _read(where, piece, files)
+        want = _piece_shape(piece["select"], shape)
+        if value.shape != want or full is not None and value.dtype != full.dtype:
+            raise ValueError(f"--resume {where}: {piece['file']} holds {key[1]} of {key[0]} as "
+                             f"{value.shape} {value.dtype}, where the manifest names {want}"
+                             + (f" {full.dtype}" if full is not None else ""))
         full = np.empty(shape, dtype=value.dtype) if full is None else full
         put(full, piece["select"], value)
         put(seen, piece["select"], np.ones(value.shape, dtype=bool))  # what it covers
@@ -274,6 +355,9 @@ def load(path, trainer, a):
             key = (s.name, s.kind)
             if key not in fulls:
                 fulls[key] = assemble(manifest["where"], by_key.get(key), s.shape, files, key)
+            if fulls[key].dtype != s.array.dtype:
+                raise ValueError(f"--resume {manifest['where']}: {key[1]} of {key[0]} is "
+                                 f"{fulls[key].dtype}, this run's {s.array.dtype}")
             s.array[...] = B.asarray(take(fulls[key], s.select)).reshape(s.array.shape)
     except ValueError as err:
         problem = str(err)
