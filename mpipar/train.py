@@ -57,6 +57,7 @@ class Report:
         self.desc = {"data_parallel": f"dp x{a.dp}", "tensor_parallel": f"tp x{a.tp}",
                      "hybrid": f"hybrid {a.dp}x{a.tp}x{a.pp}"}.get(a.scheme, a.scheme)
         self.after_step = None
+        self.failed = []  # outputs that could not be written: the run ends with them, code 1
 
     def training(self):
         a = self.a
@@ -160,9 +161,11 @@ class PipelineReport(Report):
             title = (f"{a.model}, {a.schedule}, {p} stages" + (f" x {v} chunks" if v > 1 else "")
                      + f", {m} micro-batches: step {first + i + 1} of {a.steps}, the median step "
                      "by duration")
-            gantt([events[i] for events in step_events], a.timeline, title=title)
-            after.append(f"timeline of step {first + i + 1} (the median by duration): "
-                         f"{os.path.abspath(a.timeline)}")
+            _, problem = written("--timeline", a.timeline, lambda: checkpoint.write_atomically(
+                a.timeline, lambda f: gantt([events[i] for events in step_events], f, title=title)))
+            self.failed += [problem] if problem else []
+            after += [] if problem else [f"timeline of step {first + i + 1} (the median by "
+                                         f"duration): {os.path.abspath(a.timeline)}"]
         return [], after
 
 
@@ -231,6 +234,9 @@ def path_problem(a):
     for flag, path in outputs:
         if path and (os.path.isdir(path) or not _writable(os.path.dirname(path) or ".")):
             return f"{flag} {path}: cannot write there (a folder, or no such writable folder)"
+        if path:  # what a killed run's atomic write left
+            checkpoint.remove_orphans(checkpoint.npz_path(path) if flag == "--save-params"
+                                      else path)
     if a.checkpoint:
         try:
             os.makedirs(a.checkpoint, exist_ok=True)
@@ -238,6 +244,9 @@ def path_problem(a):
             return f"--checkpoint {a.checkpoint}: cannot make the folder ({err.strerror})"
         if not _writable(a.checkpoint):
             return f"--checkpoint {a.checkpoint}: the folder is not writable"
+        if not checkpoint.lock(a.checkpoint):
+            return (f"--checkpoint {a.checkpoint} is in use by another run: wait for it to end, "
+                    "or use another folder")
         same = a.resume and os.path.realpath(a.checkpoint) in (
             os.path.realpath(a.resume), os.path.dirname(os.path.realpath(a.resume)))
         if checkpoint.checkpoints(a.checkpoint) and not same:
@@ -315,6 +324,7 @@ def train(trainer, a, desc, after_step=None, start=0, loss=None):
                  f"of {a.steps - start} steps")
     if a.checkpoint and saved != a.steps:
         checkpoint.save(a.checkpoint, trainer, a, a.steps, loss)
+    checkpoint.unlock()  # the folder is free for the next run
     return loss
 
 
@@ -369,8 +379,13 @@ def main(scheme, argv=None, trainer_cls=None):
     lines = report.lines()  # a collective: every rank takes part
     if probe is not None:  # a collective too: the table of every rank's ledger
         lines[1].extend(memory.lines(probe, a, task, grid))
-    if MPI.COMM_WORLD.Get_rank() != 0:
-        return
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        finish(a, task, report, lines, params, loss)
+
+
+def finish(a, task, report, lines, params, loss):
+    """World rank 0, after training: the report's lines around the final loss and metrics,
+    then the parameters saved; a failed output ends the run with one line and code 1."""
     before, after = lines
     for line in before:
         comm.log(line)
@@ -381,7 +396,23 @@ def main(scheme, argv=None, trainer_cls=None):
     if bad:  # the loss was finite, but a parameter is not: never save such a model
         comm.refuse(f"parameters {', '.join(bad[:3])} are not finite: nothing was saved", code=3)
     if a.save_params:
-        comm.log(f"saved parameters to {save_params(a.save_params, params.items())}")
+        path, problem = written("--save-params", a.save_params,
+                                lambda: save_params(a.save_params, params.items()))
+        if problem:
+            report.failed.append(problem)
+        else:
+            comm.log(f"saved parameters to {path}")
+    if report.failed:  # every output that could be written is; then one line, code 1
+        comm.refuse("; ".join(report.failed), code=1)
+
+
+def written(flag, path, write):
+    """``write()``, an atomic write of an output file: (what it returns, None), or (None, the
+    line that says why it failed: a full disk), any previous file whole."""
+    try:
+        return write(), None
+    except OSError as err:
+        return None, f"{flag} {path}: cannot write it ({err.strerror or err}); nothing was saved"
 
 
 if __name__ == "__main__":

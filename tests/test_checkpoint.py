@@ -241,6 +241,79 @@ def test_resuming_at_the_last_step_trains_nothing_and_says_so(written, ranks, sc
     assert ("no step ran (resumed after step 3" in out) == (scheme[0] == "pipeline"), out
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A file system of 200 KiB (tmpfs), mounted for the test: room for one small checkpoint."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs",
+                                            str(disk)], capture_output=True).returncode:
+        pytest.skip("mounting a small file system needs root")
+    yield disk
+    subprocess.run(["umount", str(disk)], check=True)
+
+
+@pytest.mark.parametrize("scheme,flags,message", [
+    ("data_parallel", ["--checkpoint", "{disk}/c", "--checkpoint-every", "1", "--keep", "1"],
+     "checkpoint {disk}/c/step-00000002: cannot write it (rank-00000.npz: No space left on "
+     "device); the last whole one is step-00000001"),
+    ("data_parallel", ["--sizes", "64,256,256,10", "--save-params", "{disk}/p.npz"],
+     "--save-params {disk}/p.npz: cannot write it (No space left on device); nothing was saved"),
+    ("pipeline", ["--sizes", "64,256,256,10", "--timeline", "{disk}/t.png", "--save-params",
+                  "{tmp}/p.npz"],
+     "--timeline {disk}/t.png: cannot write it (No space left on device); nothing was saved"),
+])
+def test_a_full_disk_ends_the_run_in_one_line(small_disk, tmp_path, scheme, flags, message):
+    """Each output written onto a full disk: one line, exit code 1, no partial or temporary
+    file left, every output that fits still written (the parameters beside a failed chart),
+    and the checkpoint before the failed one whole."""
+    if "t.png" in message:  # the chart of a pipeline run takes more room than its checkpoint
+        (small_disk / "filler").write_bytes(b"\0" * 190_000)
+    where = dict(disk=small_disk, tmp=tmp_path)
+    proc = run_mpi(2, ["-m", f"mpipar.{scheme}", "--model", "mlp", "--steps", "4", "--quiet",
+                       *(f.format(**where) for f in flags)],
+                   timeout=120, check=False)
+    assert proc.returncode == 1 and proc.stderr == f"error: {message.format(**where)}\n", \
+        proc.stderr
+    left = sorted(p.name for p in small_disk.rglob("*") if p.name != "filler")
+    assert left == (["c", "manifest.json", "rank-00000.npz", "rank-00001.npz", "step-00000001"]
+                    if "/c" in message else []), left
+    assert "t.png" not in message or (tmp_path / "p.npz").exists()
+
+
+def test_two_runs_cannot_share_a_checkpoint_folder(tmp_path):
+    """While one run writes into a folder (it holds a lock on it), a second one is refused."""
+    ckpt, env = tmp_path / "ckpt", dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    first = subprocess.Popen([find_mpirun(), "-n", "2", sys.executable, "-m",
+                              "mpipar.data_parallel", "--steps", "100000", "--quiet",
+                              "--checkpoint", str(ckpt), "--checkpoint-every", "1000"],
+                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while not (ckpt.exists() and checkpoint.checkpoints(ckpt)):
+            assert first.poll() is None and time.time() < deadline, "the first run never wrote"
+            time.sleep(0.1)
+        assert_refused(2, "data_parallel", ["--checkpoint", str(ckpt), "--resume", str(ckpt)],
+                       f"--checkpoint {ckpt} is in use by another run: wait for it to end")
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    newest = int(checkpoint.checkpoints(ckpt)[-1].split("-")[1])
+    run_mpi(2, ["-m", "mpipar.data_parallel", "--steps", str(newest + 1), "--quiet",
+                "--checkpoint", ckpt, "--resume", ckpt], timeout=120)  # the lock died with it
+
+
+def test_a_killed_writes_temporary_file_is_removed_at_the_next_start(tmp_path):
+    dead = tmp_path / "p.npz.tmp-999999999"  # no such process
+    alive = tmp_path / f"p.npz.tmp-{os.getpid()}"  # another run's write, going on
+    dead.write_bytes(b"half")
+    alive.write_bytes(b"half")
+    run_mpi(1, ["-m", "mpipar.serial", "--steps", "1", "--quiet", "--save-params",
+                tmp_path / "p.npz"], timeout=120)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([alive.name, "p.npz"])
+
+
 def test_output_paths_are_checked_before_training(tmp_path):
     assert_refused(2, "data_parallel", ["--save-params", str(tmp_path / "no" / "p.npz")],
                    "--save-params")

@@ -54,7 +54,8 @@ def busy_fraction(events, kinds, t_begin, t_end):
 
 
 def gantt(per_rank, path, title="", kinds_colors=None, row_label="stage", ax=None, ranks=None):
-    """Draw per-rank events as a Gantt chart and save it to ``path`` (PNG); with ``ax``, draw
+    """Draw per-rank events as a Gantt chart and save it to ``path`` (PNG: a file name or a
+    file open for writing); with ``ax``, draw
     into that matplotlib axes instead (several charts in one figure) and return it.
 
     A bar carries its micro-batch number in 7 pt where that fits, else in 5 pt, else none (a
@@ -121,7 +122,7 @@ def gantt(per_rank, path, title="", kinds_colors=None, row_label="stage", ax=Non
     if not own:
         return ax
     fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")  # the legend and notes are outside the axes
+    fig.savefig(path, format="png", dpi=110, bbox_inches="tight")  # (legend and notes: outside)
     plt.close(fig)
     return path
 

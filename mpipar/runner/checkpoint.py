@@ -28,9 +28,16 @@ rename and the pruning leaves N + 1 whole checkpoints; the next one written prun
 rank with exit code 2, a missing or corrupt file, a piece that does not cover its tensor, and a
 model, dtype, optimizer, seed or batch size other than the run's.
 
+A run that writes into a folder locks it (an flock, which the kernel lets go when the process
+ends, by a kill too): a second run writing into the same folder is refused. A write
+that fails (a full disk) ends the run on every rank with one line; the checkpoints before it
+stay whole. Loading checks the manifest's every key and piece, every file's SHA-256, and every
+array's shape and dtype against what the manifest names, before it trusts a checkpoint.
+
 All ranks must see the same directory (one machine, or a shared file system).
 """
 
+import fcntl
 import hashlib
 import json
 import os
@@ -89,15 +96,15 @@ def slots_of(trainer):
 
 
 # ----------------------------------------------------------------------------- writing
-def save_params(path, named_arrays):
-    """Write {canonical name: array} to an .npz file (plain arrays, no pickle), atomically:
-    into a temporary file, flushed to disk, then renamed over ``path``, so a kill during the
-    write leaves the previous file whole. Returns the path written (".npz" added if absent)."""
-    path = path if path.endswith(".npz") else path + ".npz"  # as np.savez names it
+def write_atomically(path, write):
+    """Write a file through ``write(f)`` atomically: into ``PATH.tmp-PID``, flushed to disk,
+    then renamed over ``path``, so a kill or a full disk during the write leaves the previous
+    file whole (and a failed write no temporary file; :func:`remove_orphans` removes the one a
+    kill leaves)."""
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
-            np.savez(f, **{name: B.to_numpy(a) for name, a in named_arrays})
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -105,6 +112,28 @@ def save_params(path, named_arrays):
         if os.path.exists(tmp):  # the write failed: the previous file is untouched
             os.remove(tmp)
     return path
+
+
+def remove_orphans(path):
+    """Remove the temporary files of :func:`write_atomically` for ``path`` that a killed run
+    left (their process is gone)."""
+    folder, stem = os.path.split(path)
+    for name in os.listdir(folder or "."):
+        pid = name[len(stem) + 5:] if name.startswith(f"{stem}.tmp-") else ""
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            os.remove(os.path.join(folder, name))
+
+
+def save_params(path, named_arrays):
+    """Write {canonical name: array} to an .npz file (plain arrays, no pickle), atomically
+    (:func:`write_atomically`). Returns the path written (".npz" added if absent)."""
+    path = npz_path(path)
+    return write_atomically(path, lambda f: np.savez(
+        f, **{name: B.to_numpy(a) for name, a in named_arrays}))
+
+
+def npz_path(path):
+    return path if path.endswith(".npz") else path + ".npz"  # as np.savez names it
 
 
 def load_params(path):
@@ -147,42 +176,101 @@ def _sync_dir(path):
 
 def save(directory, trainer, a, steps_done, loss):
     """Write a checkpoint of the run after ``steps_done`` steps into ``directory`` (every rank
-    calls this). Returns the checkpoint's path."""
+    calls this). Returns the checkpoint's path. A write that fails on any rank (a full disk)
+    ends the run on every rank with one line, the checkpoints before it whole."""
     world = comm.world()  # its calls are watched: a stopped rank ends the job, here too
     rank = world.rank
     final = os.path.join(directory, f"step-{steps_done:08d}")
     tmp = os.path.join(directory, f".tmp-step-{steps_done:08d}")
-    if rank == 0:
-        for name in os.listdir(directory):  # what a killed run left behind
-            if name.startswith((".tmp-step-", ".old-step-")):
-                shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
-        os.makedirs(tmp)
-    world.Barrier()
+    problem = _begin(directory, tmp) if rank == 0 else None
+    problem = world.bcast_obj(problem, what="whether the checkpoint's folder was made")
     mine = [s for s in slots_of(trainer) if s.write]
-    name = f"rank-{rank:05d}.npz"
-    arrays = {f"a{i}": B.to_numpy(s.array) for i, s in enumerate(mine)}
-    digest = _fsynced(os.path.join(tmp, name), lambda f: np.savez(f, **arrays))
+    name, digest = f"rank-{rank:05d}.npz", None
+    if problem is None:
+        arrays = {f"a{i}": B.to_numpy(s.array) for i, s in enumerate(mine)}
+        try:
+            digest = _fsynced(os.path.join(tmp, name), lambda f: np.savez(f, **arrays))
+        except OSError as err:
+            problem = f"{name}: {err.strerror or err}"
     pieces = [dict(name=s.name, kind=s.kind, shape=s.shape, select=s.select, file=name,
                    key=f"a{i}") for i, s in enumerate(mine)]
     t = [o.t for o in trainer.optimizers() if hasattr(o, "t")]
-    gathered = world.gather_obj((name, digest, pieces, t), root=0, what="each rank's pieces")
+    gathered = world.gather_obj((name, digest, pieces, t, problem), root=0,
+                                what="each rank's pieces")
     if rank == 0:
-        manifest = dict(format=FORMAT, step=steps_done, loss=loss, config=model_config(a),
-                        layout=dict(scheme=a.scheme, dp=a.dp, tp=a.tp, pp=a.pp, ranks=world.size),
-                        adam_t=max((x for *_, ts in gathered for x in ts), default=None),
-                        files={f: d for f, d, _, _ in gathered},
-                        pieces=[piece for _, _, ps, _ in gathered for piece in ps])
-        text = json.dumps(manifest, indent=1).encode()
+        problem = next((p for *_, p in gathered if p), None)
+        if problem is None:
+            manifest = dict(format=FORMAT, step=steps_done, loss=loss, config=model_config(a),
+                            layout=dict(scheme=a.scheme, dp=a.dp, tp=a.tp, pp=a.pp,
+                                        ranks=world.size),
+                            adam_t=max((x for *_, ts, _ in gathered for x in ts), default=None),
+                            files={f: d for f, d, *_ in gathered},
+                            pieces=[piece for _, _, ps, *_ in gathered for piece in ps])
+            problem = _commit(directory, tmp, final, manifest, a.keep)
+        if problem is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            whole = checkpoints(directory)
+            problem = (f"checkpoint {final}: cannot write it ({problem}); "
+                       + (f"the last whole one is {whole[-1]}" if whole else "there is none"))
+    problem = world.bcast_obj(problem, what="whether the checkpoint is whole")
+    if problem:
+        comm.refuse(problem, code=1)
+    return final
+
+
+def _begin(directory, tmp):
+    """Rank 0: clear what a killed run left, make the folder a checkpoint is written into."""
+    try:
+        for name in os.listdir(directory):
+            if name.startswith((".tmp-step-", ".old-step-")):
+                shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+        os.makedirs(tmp)
+    except OSError as err:
+        return f"{tmp}: {err.strerror or err}"
+    return None
+
+
+def _commit(directory, tmp, final, manifest, keep):
+    """Rank 0, once every rank's file is on disk: the manifest, then the rename that makes the
+    checkpoint exist, then the pruning to the last ``keep``. None, or what failed."""
+    text = json.dumps(manifest, indent=1).encode()
+    try:
         _fsynced(os.path.join(tmp, "manifest.json"), lambda f: f.write(text))
         _sync_dir(tmp)
-        if os.path.exists(final):  # this step written before (a run resumed from an older one)
-            retire(directory, os.path.basename(final))
-        os.rename(tmp, final)  # the checkpoint exists from here on, whole
-        _sync_dir(directory)
-        for old in sorted(checkpoints(directory))[:-max(a.keep, 1)]:
-            retire(directory, old)
-    world.Barrier()
-    return final
+    except OSError as err:
+        return f"manifest.json: {err.strerror or err}"
+    if os.path.exists(final):  # this step written before (a run resumed from an older one)
+        retire(directory, os.path.basename(final))
+    os.rename(tmp, final)  # the checkpoint exists from here on, whole
+    _sync_dir(directory)
+    for old in sorted(checkpoints(directory))[:-max(keep, 1)]:
+        retire(directory, old)
+    return None
+
+
+_LOCKS = {}  # folder: the open file descriptor of it, locked while the run lasts
+
+
+def lock(directory):
+    """Lock the folder itself (an flock on it, which the kernel lets go when the process ends,
+    by a kill too) so that a second run cannot write into it; False when another run holds it."""
+    key = os.path.realpath(directory)
+    if key in _LOCKS:
+        return True
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return False
+    _LOCKS[key] = fd
+    return True
+
+
+def unlock():
+    """Let go of every folder :func:`lock` holds (the run is over)."""
+    while _LOCKS:
+        os.close(_LOCKS.popitem()[1])
 
 
 def retire(directory, name):
