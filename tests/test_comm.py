@@ -195,7 +195,7 @@ STOPS = {  # moment of tests/mpi/stop_at.py: the call the others' watchdogs name
     "machine": "Split_type on world: all ranks  (which ranks share this machine)",
     "grid": "Split on world: all ranks  (the tp groups)",
     "write": "gather on world: all -> root 0 (pickled)  (each rank's pieces)",
-    "rename": "Barrier on world: all ranks",
+    "rename": "bcast on world: root 0 -> all (pickled)  (whether the checkpoint is whole)",
     "load": "bcast on world: root 0 -> all (pickled)  (the manifest)",
     "finalize": "Barrier on world: all ranks  (the end of the job, before MPI_Finalize)",
 }
