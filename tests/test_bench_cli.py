@@ -5,13 +5,16 @@ workers, the launch is caught and its flags are read."""
 
 import csv
 import importlib
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from conftest import MPI_SCRIPTS, ROOT
 
 from mpipar.tools import report
 from mpipar.tools.bench import __main__ as bench_cli
-from mpipar.tools.bench import common, net
+from mpipar.tools.bench import common, engine, link, net
 from mpipar.tools.bench.common import cores
 from mpipar.tools.bench.tp import HIDDEN
 
@@ -49,8 +52,8 @@ def worker_flags(monkeypatch, name, argv, via_dispatcher=False):
     ("dp", ["--quick", "--rounds", "5"], {"--rounds": "5"}),
     ("dp", ["--quick"], {"--rounds": "3"}),
     ("dp", [], {"--rounds": "6"}),
-    ("tp", ["--quick", "--hidden", "48,96", "--repeats", "5"],
-     {"--hidden": "48,96", "--repeats": "5"}),
+    ("tp", ["--quick", "--hidden", "64,96", "--repeats", "5"],
+     {"--hidden": "64,96", "--repeats": "5"}),
     ("tp", ["--quick"], {"--hidden": "32,64,128,256,512", "--repeats": "3"}),
     ("tp", [], {"--hidden": ",".join(map(str, HIDDEN)), "--repeats": "11"}),
     ("hybrid", ["--quick", "--rounds", "4"], {"--rounds": "4", "--warmup": "1"}),
@@ -135,6 +138,146 @@ def test_each_launch_starts_from_an_empty_folder(monkeypatch, tmp_path):
     folders = report.launch_again(quick=True, launches=2)
     assert folders == [report.PLOTS, tmp_path / "launch-2"] and not stale.exists()
     assert ran == [(tmp_path / "launch-2", [])]
+
+
+# ----------------------------------------------------------------------------- bad input
+def read_only_folder(tmp_path):
+    """A folder this process cannot write in: one without write permission, or, for root (who
+    writes there anyway), /sys; None where there is neither."""
+    folder = tmp_path / "read-only"
+    folder.mkdir(mode=0o555)
+    for candidate in (folder, Path("/sys")):
+        try:
+            (candidate / "probe").mkdir()
+            (candidate / "probe").rmdir()
+        except OSError:
+            return candidate
+    return None
+
+
+def assert_one_line_refusal(code, err, says):
+    """Exit code 2, no traceback, and one line on stderr that says ``says``."""
+    assert code == 2, (code, err)
+    assert "Traceback" not in err and err.startswith("error: "), err
+    assert "\n" not in err.strip() and says in err, err
+
+
+@pytest.fixture
+def nothing_runs(monkeypatch):
+    """Every way a benchmark starts measuring raises Launched: a refusal must come first."""
+    def launched(*args, **kwargs):
+        raise Launched
+
+    for name in bench_cli.BENCHES:
+        module = importlib.import_module(f"mpipar.tools.bench.{name}")
+        if hasattr(module, "run_ranks"):
+            monkeypatch.setattr(module, "run_ranks", launched)
+    for module, name in ((net, "measure_alpha_beta"), (net, "measure_gamma"),
+                         (engine, "measure"), (link, "drive"), (link, "pingpong")):
+        monkeypatch.setattr(module, name, launched)
+
+
+def refusal(name, argv, capsys):
+    """Run ``python -m mpipar.tools.bench NAME ARGV`` in this process: (exit code, stderr)."""
+    with pytest.raises(SystemExit) as exit_info:
+        bench_cli.main([name, *argv])
+    return exit_info.value.code, capsys.readouterr().err
+
+
+def not_a_number(flag, value, whole=True, zero_ok=False):
+    kind = "a whole number" if whole else "a finite number"
+    return f"argument {flag}: expected {kind} {'>= 0' if zero_ok else '> 0'}, got {value!r}"
+
+
+def not_counts(flag, value, multiple_of=1):
+    return (f"argument {flag}: expected whole numbers > 0"
+            + (f", multiples of {multiple_of}" if multiple_of > 1 else "")
+            + f", comma-separated (like {multiple_of},{2 * multiple_of},{4 * multiple_of}), "
+            f"got {value!r}")
+
+
+# (benchmark, flag, value): refused as not a count > 0, before any launch or measurement
+NOT_COUNTS = [("ckpt", "--repeats", "0"), ("dp", "--rounds", "-1"), ("engine", "--repeats", "nan"),
+              ("engine", "--batch-size", "0"), ("flops", "--repeats", "inf"),
+              ("hybrid", "--rounds", ""), ("link", "--passes", "0"), ("link", "--repeats", "-1"),
+              ("link", "--rounds", "abc"), ("memory", "--steps", "0"),
+              ("memory", "--rounds", "1.5"), ("overhead", "--rounds", "0"), ("pp", "--steps", "0"),
+              ("pp", "--rows", "-64"), ("pp_wide", "--rows", "0"), ("tp", "--repeats", "0"),
+              ("wait", "--rounds", "0"), ("wait", "--steps", "-1")]
+BAD_FLAGS = {
+    **{f"{name} {flag} {value!r}": (name, [flag, value], not_a_number(flag, value))
+       for name, flag, value in NOT_COUNTS},
+    **{f"{name} --warmup -1": (name, ["--warmup", "-1"], not_a_number("--warmup", "-1",
+                                                                      zero_ok=True))
+       for name in ("dp", "hybrid", "pp")},
+    **{f"tp --budget {value}": ("tp", ["--budget", value], not_a_number("--budget", value, False))
+       for value in ("0", "-1", "nan", "inf", "")},
+    **{f"{name} --{flag} {value!r}": (name, [f"--{flag}", value], not_counts(f"--{flag}", value))
+       for name, flag, value in (("pp", "micro", ""), ("pp", "micro", "4,0"),
+                                 ("pp", "ranks", "2,"), ("pp", "ranks", "nan"))},
+    **{f"tp --hidden {value}": ("tp", ["--hidden", value], not_counts("--hidden", value, 32))
+       for value in ("48", "0", "64,,128")},
+    "link --rates fast": ("link", ["--rates", "1gbit,fast"], "--rates 'fast' is not a rate"),
+    "link --rates ''": ("link", ["--rates", ""], "--rates '' is not a rate"),
+    "ckpt --scheme": ("ckpt", ["--scheme", "hybrid"],
+                      "argument --scheme: invalid choice: 'hybrid'"),
+    "memory --experiment": ("memory", ["--experiment", "x"],
+                            "argument --experiment: invalid choice: 'x'"),
+    "engine --batch-size huge": ("engine", ["--batch-size", str(10**12)],
+                                 f"--batch-size {10**12}: a step would take"),
+    "pp --rows huge": ("pp", ["--rows", str(10**8)], f"--rows {10**8}, --micro 1,2,4,8,16 and "
+                                                     "--ranks 4: the batches alone would take"),
+    "pp --ranks huge": ("pp", ["--ranks", str(10**8)], f"--ranks {10**8}: the batches alone"),
+    "tp --hidden huge": ("tp", ["--hidden", str(2**20)], f"--hidden {2**20}: the blocks' weights"),
+    "wait with stray words": ("wait", ["--quick", "again"], "unrecognized arguments: again"),
+    "an unknown flag": ("dp", ["--bogus", "3"], "unrecognized arguments: --bogus 3"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FLAGS))
+def test_a_bad_flag_is_refused_in_one_line_before_anything_runs(case, nothing_runs, tmp_path,
+                                                                  capsys):
+    """Zero, negative or non-finite counts once died in a traceback from the mpirun workers
+    (no median of no samples, a ZeroDivisionError), or were taken for the defaults; sizes too
+    large for memory in a MemoryError; argparse's refusals came with its usage block."""
+    name, argv, says = BAD_FLAGS[case]
+    assert_one_line_refusal(*refusal(name, [*argv, "--out", str(tmp_path)], capsys), says)
+
+
+@pytest.mark.parametrize("name", list(bench_cli.BENCHES))
+def test_an_out_folder_that_cannot_be_written_is_refused(name, nothing_runs, tmp_path, capsys):
+    """A file where the folder should be, a folder under a file, an empty name, a read-only
+    folder: refused when parsed, not after the benchmark ran (once a FileExistsError at the
+    end)."""
+    (tmp_path / "a-file").write_text("")
+    cases = {str(tmp_path / "a-file"): "a-file is a file, not a folder",
+             str(tmp_path / "a-file" / "under"): "a-file is a file, not a folder",
+             "": "argument --out: expected a folder, got ''"}
+    if (read_only := read_only_folder(tmp_path)) is not None:
+        cases[str(read_only / "results")] = f"argument --out: cannot write in {read_only}"
+    for out, says in cases.items():
+        assert_one_line_refusal(*refusal(name, ["--out", out], capsys), says)
+    assert common.bench_parser("x").parse_args(["--out", str(tmp_path / "new" / "b")]).out == \
+        tmp_path / "new" / "b"  # a folder to be made is fine, and not made yet
+    assert not (tmp_path / "new").exists()
+
+
+def test_tp_plot_only_refuses_a_folder_without_its_csv(nothing_runs, tmp_path, capsys):
+    assert_one_line_refusal(*refusal("tp", ["--plot-only", "--out", str(tmp_path)], capsys),
+                            f"--plot-only draws from {tmp_path / 'tp.csv'}, which is not there")
+
+
+@pytest.mark.parametrize("argv, says", [
+    ([], "error: the following arguments are required: which (see --help)"),
+    (["bogus"], "error: argument which: invalid choice: 'bogus'"),
+    (["pp", "--steps", "0"], "error: argument --steps: expected a whole number > 0, got '0'"),
+    (["tp", "--budget", "nan"], "error: argument --budget: expected a finite number > 0"),
+])
+def test_the_command_line_refuses_in_one_line(argv, says, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "mpipar.tools.bench", *argv], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert_one_line_refusal(proc.returncode, proc.stderr, says)
+    assert proc.stdout == ""
 
 
 # ----------------------------------------------------------------------------- mpipar.mpi.grid

@@ -392,14 +392,14 @@ def test_selective_recomputation_adds_attention_core_and_keeps_the_rest():
 ])
 def test_cli_refuses_impossible_input_with_one_error_line(flags, says, capsys):
     """Zero, negative or non-finite numbers once gave negative memory, NaN in the JSON or a
-    traceback; each is refused before predicting, by argparse (exit 2, one error line)."""
+    traceback; each is refused before predicting (exit 2), in one line on stderr: argparse's
+    usage block once came before it."""
     with pytest.raises(SystemExit) as exit_info:
         S.main(flags)
     out, err = capsys.readouterr()
     assert exit_info.value.code == 2 and out == ""
-    errors = [line for line in err.splitlines() if "error:" in line]
-    assert len(errors) == 1 and err.splitlines()[-1] == errors[0], err
-    assert says in errors[0], errors[0]
+    assert err.startswith("error: ") and "\n" not in err.strip(), err
+    assert says in err and err.strip().endswith("(see --help)"), err
 
 
 def test_cli_accepts_free_links_and_the_lesson_commands(capsys):
@@ -449,9 +449,16 @@ def test_cli_recompute_takes_full_or_selective_and_alone_means_full(capsys):
     assert "ZeRO-3; recompute selective" in capsys.readouterr().out
 
 
-def test_cli_refusal_exits_2_from_the_command_line():
-    out = subprocess.run([sys.executable, "-m", "mpipar.tools.simulate", "--tp", "-2"],
+@pytest.mark.parametrize("flags, says", [
+    (["--tp", "-2"], "error: argument --tp: expected a whole number > 0, got '-2' (see --help)"),
+    (["--n-heads", "5"], "error: --d-model 64 is not divisible by --n-heads 5 (see --help)"),
+    (["--hardware", "tpu"], "error: argument --hardware: invalid choice: 'tpu'"),
+    (["--bogus"], "error: unrecognized arguments: --bogus (see --help)"),
+])
+def test_cli_refusal_exits_2_from_the_command_line_in_one_line(flags, says):
+    """The refusal is the only line on stderr, as the trainers' are: no usage block."""
+    out = subprocess.run([sys.executable, "-m", "mpipar.tools.simulate", *flags],
                          capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and out.stdout == ""
-    assert out.stderr.splitlines()[-1].endswith(
-        "error: argument --tp: expected a whole number > 0, got '-2'")
+    assert out.returncode == 2 and out.stdout == "", out
+    assert "Traceback" not in out.stderr and "\n" not in out.stderr.strip(), out.stderr
+    assert out.stderr.startswith(says), out.stderr

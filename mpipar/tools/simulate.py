@@ -55,13 +55,13 @@ another at a collective (an allreduce measured back to back finds its partner re
 
 import argparse
 import json
-import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from mpipar.engine import nn
 from mpipar.parts import plan, schedules
+from mpipar.tools.bench.common import OneLineParser, number
 from mpipar.tools.hardware import (  # noqa: F401 (the model's machines, imported from here too)
     PRESETS,
     Hardware,
@@ -328,22 +328,6 @@ def extrapolate(hw_name="a100", global_batch=1536, devices=(8, 16, 32, 64, 128, 
 
 
 # ----------------------------------------------------------------------------- command line
-def _number(kind, zero_ok=False):
-    """An argparse type: a finite number > 0 (>= 0 with ``zero_ok``), so that no flag can turn
-    the prediction negative or NaN; argparse prints the refusal and exits 2."""
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            value = math.nan
-        if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
-            raise argparse.ArgumentTypeError(
-                f"expected a {'whole ' if kind is int else 'finite '}number "
-                f"{'>= 0' if zero_ok else '> 0'}, got {text!r}")
-        return value
-    return parse
-
-
 def layout_problem(spec, a):
     """Why this model cannot run on the layout of the flags ``a`` (one sentence), or None."""
     if spec.d_model % spec.n_heads:
@@ -364,9 +348,9 @@ def layout_problem(spec, a):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m mpipar.tools.simulate", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    count, rate, cost = _number(int), _number(float), _number(float, zero_ok=True)
+    ap = OneLineParser(prog="python -m mpipar.tools.simulate", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    count, rate, cost = number(int), number(float), number(float, zero_ok=True)
     ap.add_argument("--preset", choices=["gpt3"], help="a published model instead of the flags")
     ap.add_argument("--vocab", type=count, default=96)
     ap.add_argument("--d-model", type=count, default=64)

@@ -28,9 +28,11 @@ BENCHES = {
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m mpipar.tools.bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="\n".join(f"  {k:8s} {v}" for k, v in BENCHES.items()))
+    from mpipar.tools.bench.common import OneLineParser
+
+    ap = OneLineParser(prog="python -m mpipar.tools.bench", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="\n".join(f"  {k:8s} {v}" for k, v in BENCHES.items()))
     ap.add_argument("which", choices=list(BENCHES))
     ap.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     args, rest = ap.parse_known_args(argv)

@@ -21,6 +21,7 @@ from mpipar.tools.bench.common import (
     bench_parser,
     emit,
     environment,
+    number,
     pyplot,
     run_ranks,
     save_figure,
@@ -94,8 +95,9 @@ def plot(rows, path):
 
 def main(argv=None):
     ap = bench_parser("ckpt")
-    ap.sized("--repeats", 5, 2, type=int, help="writes and reads per size (median)")
-    ap.add_argument("--scheme", default="serial", help="worker only")
+    ap.sized("--repeats", 5, 2, type=number(), help="writes and reads per size (median)")
+    ap.add_argument("--scheme", default="serial", choices=[s for _, s in RANKS],
+                    help="worker only")
     args = ap.parse_args(argv)
     if args.worker:
         worker(args.scheme, WIDTHS, args.repeats)

@@ -5,6 +5,7 @@ import argparse
 import csv
 import io
 import json
+import math
 import os
 import platform
 import shutil
@@ -14,6 +15,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from mpipar.tools.cluster import refuse  # one line on stderr, then exit: the tools' refusal
 
 # The results: the project's committed plots/, or MPIPAR_PLOTS (the tests use a scratch folder).
 # ``make report`` (mpipar.tools.report) runs every benchmark with ``--out PLOTS`` and reads
@@ -151,7 +154,16 @@ def save_figure(fig, path):
     return path
 
 
-class BenchParser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
+    """A command line that refuses bad input as the trainers do (:mod:`mpipar.runner.cli`): one
+    line, ``error: MESSAGE (see --help)``, and exit code 2, without argparse's usage block.
+    Its subcommands' parsers (``add_subparsers``) are of this class too."""
+
+    def error(self, message):
+        refuse(f"{message} (see --help)")
+
+
+class BenchParser(OneLineParser):
     """A benchmark's command line. A flag added with :meth:`sized` has two defaults, one for a
     normal run and one for ``--quick``, filled in after parsing where the flag was not given:
     a flag given on the command line always wins (``--quick --steps 20`` times 20 steps)."""
@@ -181,7 +193,7 @@ def bench_parser(name, quick_help="fewer sizes and repeats", worker=True):
     ap = BenchParser(prog=f"python -m mpipar.tools.bench {name}")
     ap.add_argument("--quick", action="store_true", help=quick_help)
     default = PLOTS if os.environ.get("MPIPAR_PLOTS") else SCRATCH
-    ap.add_argument("--out", type=Path, default=default,
+    ap.add_argument("--out", type=out_folder, default=default,
                     help=f"folder for the CSV and pictures (default {default}; `--out plots` "
                          "replaces the committed results, as `make report` does)")
     if worker:
@@ -189,9 +201,78 @@ def bench_parser(name, quick_help="fewer sizes and repeats", worker=True):
     return ap
 
 
-def int_list(text):
-    """An argparse type: comma-separated whole numbers, "1,4,16" -> [1, 4, 16]."""
-    return [int(v) for v in text.split(",")]
+def number(kind=int, zero_ok=False):
+    """An argparse type: a number > 0 (>= 0 with ``zero_ok``) of ``kind``, ``int`` (a whole
+    number) or ``float`` (finite). Anything else (nan, inf, a word, nothing) is refused, and
+    argparse names the flag: ``argument --steps: expected a whole number > 0, got '0'``."""
+    what = f"{'a whole' if kind is int else 'a finite'} number {'>= 0' if zero_ok else '> 0'}"
+
+    def parse(text):
+        try:
+            value = kind(text)
+            fine = (kind is int or math.isfinite(value)) and (value > 0 or zero_ok and value == 0)
+        except ValueError:
+            fine = False
+        if not fine:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+    return parse
+
+
+def count_list(multiple_of=1):
+    """An argparse type: comma-separated whole numbers > 0, each a multiple of ``multiple_of``,
+    "1,4,16" -> [1, 4, 16]; an empty list, or any other entry, is refused."""
+    what = "whole numbers > 0" + (f", multiples of {multiple_of}" if multiple_of > 1 else "")
+
+    def parse(text):
+        try:
+            values = [number(int)(v) for v in text.split(",")]
+        except argparse.ArgumentTypeError:
+            values = None
+        if values is None or any(v % multiple_of for v in values):
+            like = ",".join(str(k * multiple_of) for k in (1, 2, 4))
+            raise argparse.ArgumentTypeError(f"expected {what}, comma-separated (like {like}), "
+                                             f"got {text!r}")
+        return values
+    return parse
+
+
+def folder_problem(path):
+    """Why files cannot be written into the folder ``path`` (one sentence), or None. A folder
+    that does not exist yet is fine where it can be made: its nearest existing parent must be
+    a folder this process can write in (tried with a temporary file, so that a read-only
+    file system or /proc says no even to root)."""
+    existing = Path(path).absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file, not a folder"
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        return f"cannot write in {existing} ({err.strerror or err})"
+    return None
+
+
+def out_folder(text):
+    """An argparse type: the folder a benchmark writes into, refused before anything runs when
+    files cannot be written there (:func:`folder_problem`)."""
+    problem = folder_problem(text) if text.strip() else "expected a folder, got ''"
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return Path(text)
+
+
+def too_big(nbytes, what):
+    """Why ``what``, of ``nbytes`` bytes, cannot be held here (one sentence: more than this
+    machine's memory), or None."""
+    from mpipar.parts.plan import memory_bytes
+
+    if nbytes <= memory_bytes():
+        return None
+    return (f"{what} would take {nbytes / 2**30:,.1f} GiB, more than this machine's "
+            f"{memory_bytes() / 2**30:.1f} GiB")
 
 
 def wrote(*paths):

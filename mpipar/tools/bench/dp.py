@@ -68,6 +68,7 @@ from mpipar.tools.bench.common import (
     bench_parser,
     cores,
     environment,
+    number,
     pyplot,
     run_ranks,
     save_figure,
@@ -243,8 +244,8 @@ def plot(rows, path):
 
 def main(argv=None):
     ap = bench_parser("dp", "one launch per rank count, few rounds")
-    ap.sized("--rounds", 6, 3, type=int, help="timed steps per mode and launch")
-    ap.add_argument("--warmup", type=int, default=2, help=argparse.SUPPRESS)
+    ap.sized("--rounds", 6, 3, type=number(), help="timed steps per mode and launch")
+    ap.add_argument("--warmup", type=number(zero_ok=True), default=2, help=argparse.SUPPRESS)
     ap.add_argument("--backend", choices=["numpy", "cupy"], default="numpy",
                     help="cupy: every rank's arrays on a GPU, the ranks sharing the GPUs there "
                          "are (dp_gpu.csv, dp_gpu_speedup.png)")

@@ -24,8 +24,10 @@ from mpipar.engine import nn, optim
 from mpipar.tools.bench.common import (
     bench_parser,
     environment,
+    number,
     pyplot,
     save_figure,
+    too_big,
     write_csv,
     wrote,
 )
@@ -155,12 +157,15 @@ def device_name():
 
 def main(argv=None):
     ap = bench_parser("engine", worker=False)
-    ap.add_argument("--batch-size", type=int, default=None,
+    ap.add_argument("--batch-size", type=number(), default=None,
                     help="rows per step (default 128; with --backend cupy 16, 32 and 128)")
     ap.add_argument("--backend", choices=["numpy", "cupy"], default="numpy",
                     help="cupy: both steps on the GPU (engine_gpu.csv)")
-    ap.sized("--repeats", 200, 30, type=int)
+    ap.sized("--repeats", 200, 30, type=number())
     args = ap.parse_args(argv)
+    if args.batch_size and (problem := too_big(4 * args.batch_size * sum(SIZES),
+                                               f"--batch-size {args.batch_size}: a step")):
+        ap.error(problem)
     gpu = args.backend == "cupy"
     if gpu and (problem := B.cupy_problem()):
         ap.exit(2, f"error: {problem}\n")

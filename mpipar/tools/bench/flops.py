@@ -30,7 +30,15 @@ import argparse
 import statistics
 import time
 
-from mpipar.tools.bench.common import bench_parser, emit, environment, run_ranks, write_csv, wrote
+from mpipar.tools.bench.common import (
+    bench_parser,
+    emit,
+    environment,
+    number,
+    run_ranks,
+    write_csv,
+    wrote,
+)
 
 N = 512  # float32 (N, N) @ (N, N): 0.27 GFLOP, a few ms on one core
 REPS = 8  # products per rank and repeat
@@ -87,8 +95,8 @@ def measure(repeats=15):
 
 def main(argv=None):
     ap = bench_parser("flops")
-    ap.sized("--repeats", 15, 5, type=int, help="timed repeats per configuration (median)")
-    ap.add_argument("--computing", type=int, default=0, help=argparse.SUPPRESS)
+    ap.sized("--repeats", 15, 5, type=number(), help="timed repeats per configuration (median)")
+    ap.add_argument("--computing", type=number(), default=1, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         worker(args.repeats, args.computing)

@@ -35,6 +35,7 @@ from mpipar.tools.bench.common import (
     cores,
     environment,
     median_time,
+    number,
     pyplot,
     run_ranks,
     save_figure,
@@ -169,8 +170,8 @@ def plot(rows, path):
 
 def main(argv=None):
     ap = bench_parser("hybrid", "one launch, few rounds")
-    ap.sized("--rounds", 8, 2, type=int, help="timed steps per layout and launch")
-    ap.sized("--warmup", 2, 1, type=int, help=argparse.SUPPRESS)
+    ap.sized("--rounds", 8, 2, type=number(), help="timed steps per layout and launch")
+    ap.sized("--warmup", 2, 1, type=number(zero_ok=True), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         worker(args.rounds, args.warmup)

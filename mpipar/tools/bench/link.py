@@ -52,7 +52,6 @@ cores, and what the rates change is the link alone. Needs root (:func:`cluster.u
 """
 
 import argparse
-import json
 import math
 import os
 import re
@@ -67,6 +66,7 @@ from mpipar.tools.bench.common import (
     bench_parser,
     emitted,
     environment,
+    number,
     run_ranks,
     write_csv,
     wrote,
@@ -135,9 +135,11 @@ def pingpong(repeats):
     import numpy as np
     from mpi4py import MPI
 
+    from mpipar.mpi import comm as C
+
+    spec = cluster.spec_from_env(C.refuse)  # a bad one: refused on every rank, said once
     comm = MPI.COMM_WORLD
     names = comm.allgather(MPI.Get_processor_name())
-    spec = json.loads(os.environ.get("MPIPAR_CLUSTER") or "null")
     if comm.rank == 0:
         link = cluster.format_rate(spec["bandwidth"]) if spec else "not an emulated cluster"
         print(f"ping-pong on {comm.size} ranks, one way (half a round trip): the median and the "
@@ -688,15 +690,23 @@ def bars(ax, rows, modes, rates):
     ax.grid(alpha=0.3, axis="y")
 
 
+def rate_list(text):
+    """An argparse type: link rates as tc writes them, comma-separated, each read by
+    :func:`mpipar.tools.cluster.parse_rate` (which refuses a bad one); the text as given."""
+    for rate in text.split(","):
+        cluster.parse_rate(rate, "--rates")
+    return text
+
+
 def main(argv=None):
     ap = bench_parser("link", "two rates, one pass, fewer repeats and steps", worker=False)
     ap.prog = "python -m mpipar.tools.bench.link"
-    ap.sized("--rates", "none,10gbit,1gbit,100mbit", "1gbit,100mbit",
+    ap.sized("--rates", "none,10gbit,1gbit,100mbit", "1gbit,100mbit", type=rate_list,
              help="link rates to measure, as tc writes them (none: no limit)")
-    ap.sized("--passes", 3, 1, type=int, help="times over every rate")
-    ap.sized("--repeats", 9, 3, type=int,
+    ap.sized("--passes", 3, 1, type=number(), help="times over every rate")
+    ap.sized("--repeats", 9, 3, type=number(),
              help="timed round trips of 1 MiB and of 4 MiB per pair (of 8 B: 20 times as many)")
-    ap.sized("--rounds", 5, 2, type=int, help="timed data-parallel steps per mode and pass")
+    ap.sized("--rounds", 5, 2, type=number(), help="timed data-parallel steps per mode and pass")
     ap.add_argument("--pingpong", action="store_true",
                     help="only the ping-pong, on the ranks of this mpirun (2 or more)")
     ap.add_argument("--worker", choices=["dp", "serial"], help=argparse.SUPPRESS)
@@ -708,10 +718,7 @@ def main(argv=None):
     reason = cluster.unavailable()
     if reason:
         raise SystemExit(f"cannot emulate hosts: {reason}")
-    rates = args.rates.split(",")
-    for rate in rates:
-        cluster.parse_rate(rate, "--rates")  # refuse a bad one before measuring anything
-    report(*drive(rates, args.passes, args.repeats, args.rounds), args.out)
+    report(*drive(args.rates.split(","), args.passes, args.repeats, args.rounds), args.out)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from mpipar.tools.bench.common import (
     bench_parser,
     emit,
     environment,
+    number,
     pyplot,
     run_ranks,
     save_figure,
@@ -305,9 +306,9 @@ def plot(rows, path):
 
 def main(argv=None):
     ap = bench_parser("memory")
-    ap.sized("--rounds", 5, 2, type=int, help="rounds over every configuration")
-    ap.sized("--steps", 3, 1, type=int, help="timed steps per configuration and round")
-    ap.add_argument("--experiment", default="zero", help="worker only")
+    ap.sized("--rounds", 5, 2, type=number(), help="rounds over every configuration")
+    ap.sized("--steps", 3, 1, type=number(), help="timed steps per configuration and round")
+    ap.add_argument("--experiment", default="zero", choices=list(RANKS), help="worker only")
     args = ap.parse_args(argv)
     if args.worker:
         worker(args.experiment, args.rounds, args.steps)

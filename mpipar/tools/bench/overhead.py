@@ -31,6 +31,7 @@ from mpipar.tools.bench.common import (
     bench_parser,
     emit,
     environment,
+    number,
     pyplot,
     run_ranks,
     save_figure,
@@ -139,7 +140,7 @@ def plot(rows, path):
 
 def main(argv=None):
     ap = bench_parser("overhead")
-    ap.sized("--rounds", 15, 5, type=int, help="alternating rounds per case (median)")
+    ap.sized("--rounds", 15, 5, type=number(), help="alternating rounds per case (median)")
     args = ap.parse_args(argv)
     if args.worker:
         worker(args.rounds)

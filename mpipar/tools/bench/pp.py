@@ -46,11 +46,13 @@ import statistics
 from mpipar.tools.bench.common import (
     bench_parser,
     cores,
+    count_list,
     environment,
-    int_list,
+    number,
     pyplot,
     run_ranks,
     save_figure,
+    too_big,
     write_csv,
     wrote,
 )
@@ -549,22 +551,27 @@ def parser():
     earlier :func:`main` in the same process (make report runs pp_wide after pp, launch after
     launch) may have set."""
     ap = bench_parser("pp", "fewer micro-batch counts and steps")
-    ap.sized("--steps", 8, 3, type=int, help="timed steps per configuration")
-    ap.sized("--micro", list(MICRO), [1, 4, 16], type=int_list,
+    ap.sized("--steps", 8, 3, type=number(), help="timed steps per configuration")
+    ap.sized("--micro", list(MICRO), [1, 4, 16], type=count_list(),
              help="micro-batch counts, comma-separated")
-    ap.sized("--warmup", 2, 1, type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--rows", type=int, default=DEFAULT_ROWS,
+    ap.sized("--warmup", 2, 1, type=number(zero_ok=True), help=argparse.SUPPRESS)
+    ap.add_argument("--rows", type=number(), default=DEFAULT_ROWS,
                     help=f"rows per micro-batch (default {DEFAULT_ROWS}); the micro-batch "
                          "efficiency, and with it the speedup, grows with it (other than the "
                          "default: pp_rows<N>.csv, no pictures)")
-    ap.add_argument("--ranks", type=int_list, default=list(RANKS),
+    ap.add_argument("--ranks", type=count_list(), default=list(RANKS),
                     help="pipeline lengths P, one launch each (default 2,4)")
     return ap
 
 
 def main(argv=None):
     global ROWS  # --rows: batch() and the worker read it; the workers get it as a flag
-    args = parser().parse_args(argv)
+    ap = parser()
+    args = ap.parse_args(argv)
+    batches = 4 * 2 * WIDTH * args.rows * sum(args.micro) * max(args.ranks)  # inputs, targets
+    if problem := too_big(batches, f"--rows {args.rows}, --micro {','.join(map(str, args.micro))}"
+                                   f" and --ranks {max(args.ranks)}: the batches alone"):
+        ap.error(problem)
     ROWS = args.rows
     micro = args.micro
     if args.worker:

@@ -52,12 +52,14 @@ import numpy as np
 from mpipar.tools.bench.common import (
     bench_parser,
     cores,
+    count_list,
     environment,
-    int_list,
+    number,
     pyplot,
     read_csv,
     run_ranks,
     save_figure,
+    too_big,
     write_csv,
     wrote,
 )
@@ -276,17 +278,25 @@ def main(argv=None):
     ap = bench_parser("tp", "fewer sizes and repeats")
     ap.add_argument("--plot-only", action="store_true",
                     help="redraw tp_comm_share.png from tp.csv in --out, measure nothing")
-    ap.sized("--hidden", HIDDEN, QUICK_HIDDEN, type=int_list,
-             help="hidden sizes, comma-separated")
-    ap.sized("--repeats", 11, 3, type=int)
-    ap.add_argument("--budget", type=float, default=0.06,
+    ap.sized("--hidden", HIDDEN, QUICK_HIDDEN, type=count_list(2 * HEAD_DIM),
+             help=f"hidden sizes, comma-separated: multiples of {2 * HEAD_DIM}, so that P = 2 "
+                  f"splits the heads of width {HEAD_DIM} evenly")
+    ap.sized("--repeats", 11, 3, type=number())
+    ap.add_argument("--budget", type=number(float), default=0.06,
                     help="seconds of steps per configuration and round")
     args = ap.parse_args(argv)
     hidden, repeats = args.hidden, args.repeats
+    weights = 4 * 12 * sum(h * h for h in hidden) * len(SHAPES)  # each block's 12 h^2 floats
+    if problem := too_big(weights, f"--hidden {','.join(map(str, hidden))}: the blocks' "
+                                   "weights alone"):
+        ap.error(problem)
     if args.worker:
         worker(hidden, repeats, args.budget)
         return
     if args.plot_only:
+        if not (args.out / "tp.csv").is_file():
+            ap.error(f"--plot-only draws from {args.out / 'tp.csv'}, which is not there: "
+                     "give --out the folder a measuring run wrote")
         wrote(plot(read_csv("tp.csv", args.out), args.out / "tp_comm_share.png"))
         return
 

@@ -47,6 +47,7 @@ from mpipar.tools.bench.common import (
     cores,
     emit,
     environment,
+    number,
     pyplot,
     run_ranks,
     save_figure,
@@ -337,14 +338,15 @@ def plot(rows, path):
 
 def main(argv=None):
     ap = bench_parser("wait", "two schemes, two rounds, fewer steps", worker=False)
-    ap.sized("--rounds", 5, 2, type=int, help="rounds over every scheme and strategy, each "
-             "a launch of every command (a 4 / 2 ratio varies from launch to launch)")
-    ap.sized("--steps", 20, 10, type=int, help="timed steps per launch, after 3 warm-up steps")
+    ap.sized("--rounds", 5, 2, type=number(), help="rounds over every scheme and strategy, "
+             "each a launch of every command (a 4 / 2 ratio varies from launch to launch)")
+    ap.sized("--steps", 20, 10, type=number(),
+             help="timed steps per launch, after 3 warm-up steps")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
-    ap.add_argument("flags", nargs="*", help=argparse.SUPPRESS)
+    ap.add_argument("flags", nargs="*", help=argparse.SUPPRESS)  # the worker's trainer's
     args = ap.parse_args(argv)
-    if args.steps < 1:
-        ap.error("--steps must be at least 1")
+    if args.flags and not args.worker:
+        ap.error(f"unrecognized arguments: {' '.join(args.flags)}")
     if args.worker:
         return worker(args.worker, args.steps, 3, args.flags)
     schemes = QUICK_SCHEMES if args.quick else tuple(SCHEMES)
