@@ -215,6 +215,56 @@ def test_bad_input_is_refused(case):
     assert "Traceback" not in proc.stderr and proc.stdout == ""
 
 
+# MPIPAR_CLUSTER as a hand or a bug might set it: (value, what the refusal says is wrong)
+BAD_SPECS = [
+    ("node0,node1", "is not JSON (Expecting value)"),
+    ('{"hosts": ["node0"]', "is not JSON"),
+    ('["node0", "node1"]', "is JSON but not an object"),
+    ("1000000000", "is JSON but not an object"),
+    ('{"bandwidth": null}', 'has no "hosts" list of host names'),
+    ('{"hosts": [], "bandwidth": null}', 'has "hosts": [], not a list of one or more host'),
+    ('{"hosts": "node0 node1", "bandwidth": null}', 'has "hosts": "node0 node1", not a list'),
+    ('{"hosts": ["node0", 1], "bandwidth": null}', 'has "hosts": ["node0", 1], not a list'),
+    ('{"hosts": ["node0", "node1"]}', 'has no "bandwidth"'),
+    ('{"hosts": ["node0", "node1"], "bandwidth": "1gbit"}',
+     'has "bandwidth": "1gbit", not bits per second (> 0) or null'),
+    ('{"hosts": ["node0", "node1"], "bandwidth": -5}', 'has "bandwidth": -5, not bits per'),
+    ('{"hosts": ["node0", "node1"], "bandwidth": true}', 'has "bandwidth": true, not bits per'),
+]
+READERS = {  # every command that reads MPIPAR_CLUSTER, run outside a cluster (no root needed)
+    "the cluster's mpirun": ["-m", "mpipar.tools.cluster", "--as-mpirun", "-n", "2", "hostname"],
+    "bench link --pingpong": ["-m", "mpipar.tools.bench", "link", "--pingpong", "--repeats", "1"],
+}
+
+
+@pytest.mark.parametrize("reader", list(READERS))
+@pytest.mark.parametrize("value, says", BAD_SPECS)
+def test_a_malformed_cluster_variable_is_refused_in_one_line(reader, value, says):
+    """A value that is not the JSON object Cluster.env writes once died in a JSONDecodeError,
+    KeyError or TypeError traceback (on every rank of the ping-pong): now one line names the
+    variable, its value and what is wrong, with exit code 2."""
+    proc = subprocess.run([sys.executable, *READERS[reader]], capture_output=True, text=True,
+                          timeout=60, env=dict(ENV, MPIPAR_CLUSTER=value), cwd=ROOT)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr and "\n" not in proc.stderr.strip(), proc.stderr
+    assert proc.stderr.startswith(f"error: MPIPAR_CLUSTER={value!r} {says}"), proc.stderr
+    assert proc.stdout == ""
+
+
+def test_a_malformed_cluster_variable_is_refused_before_a_cluster_is_built(monkeypatch, capsys):
+    """Cluster() reads the variable (set: an outer cluster) before it takes the lock."""
+    monkeypatch.setenv("MPIPAR_CLUSTER", "{")
+    monkeypatch.setattr(cluster, "take_lock", lambda: pytest.fail("took the cluster's lock"))
+    with pytest.raises(SystemExit) as exit_info:
+        cluster.Cluster(2).__enter__()
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.startswith("error: MPIPAR_CLUSTER='{' is not JSON")
+    monkeypatch.setenv("MPIPAR_CLUSTER", '{"hosts": ["node0", "node1"], "bandwidth": null}')
+    assert cluster.spec_from_env() == {"hosts": ["node0", "node1"], "bandwidth": None}
+    monkeypatch.setenv("MPIPAR_CLUSTER", "")
+    assert cluster.spec_from_env() is None
+
+
 @needs_hosts
 def test_an_mpirun_inside_a_script_is_checked_too(leaves_nothing):
     """The mpirun on the command's PATH refuses an uneven -n itself; its code comes back."""

@@ -92,6 +92,41 @@ def parse_rate(text, flag="--bandwidth"):
     return int(float(m[1]) * UNITS[m[2]])
 
 
+def spec_from_env(refuse=refuse):
+    """The emulated cluster this process runs in, as :meth:`Cluster.env` wrote it into
+    MPIPAR_CLUSTER: ``{"hosts": [names], "bandwidth": bits per second or null}``; None where
+    it is unset or empty. Any other value (not JSON, not such an object) ends the process
+    through ``refuse`` with one line that names the variable and what is wrong."""
+    text = os.environ.get("MPIPAR_CLUSTER") or "null"
+    try:
+        spec = json.loads(text)
+    except ValueError as err:
+        spec, wrong = {}, f"is not JSON ({getattr(err, 'msg', err)})"
+    else:
+        if spec is None:
+            return None
+        wrong = spec_problem(spec)
+    if wrong:
+        refuse(f"MPIPAR_CLUSTER={text!r} {wrong}: `python -m mpipar.tools.cluster` sets it, e.g. "
+               '{"hosts": ["node0", "node1"], "bandwidth": 1000000000}')
+    return spec
+
+
+def spec_problem(spec):
+    """What is wrong with a cluster's description (MPIPAR_CLUSTER's JSON, read), or None."""
+    if not isinstance(spec, dict):
+        return "is JSON but not an object"
+    hosts, bits = spec.get("hosts"), spec.get("bandwidth", "missing")
+    if not (isinstance(hosts, list) and hosts and all(isinstance(h, str) and h for h in hosts)):
+        return 'has no "hosts" list of host names' if "hosts" not in spec else \
+            f'has "hosts": {json.dumps(hosts)}, not a list of one or more host names'
+    if bits is not None and (isinstance(bits, bool) or not isinstance(bits, (int, float))
+                             or not 0 < bits < float("inf")):
+        return 'has no "bandwidth"' if "bandwidth" not in spec else \
+            f'has "bandwidth": {json.dumps(bits)}, not bits per second (> 0) or null (no limit)'
+    return None
+
+
 def format_rate(bits):
     """1e9 -> '1 Gbit/s', 2.5e8 -> '250 Mbit/s'; None -> 'no limit'."""
     if bits is None:
@@ -241,7 +276,7 @@ class Cluster:
         self.bits = bits
 
     def __enter__(self):
-        if os.environ.get("MPIPAR_CLUSTER"):  # the lock is the outer cluster's: wait forever
+        if spec_from_env() is not None:  # the lock is the outer cluster's: wait forever
             refuse("already inside an emulated cluster: its mpirun launches onto its hosts")
         self.lock = take_lock()
         try:
@@ -357,7 +392,7 @@ def parser():
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["--as-mpirun"]:  # the mpirun on COMMAND's PATH: become hydra
-        spec = json.loads(os.environ.get("MPIPAR_CLUSTER") or "null")
+        spec = spec_from_env()
         if spec is None:
             refuse("--as-mpirun runs only inside `python -m mpipar.tools.cluster`")
         line = mpiexec_line(len(spec["hosts"]), argv[1:])
