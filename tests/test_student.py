@@ -8,6 +8,7 @@ import sys
 
 import pytest
 from conftest import ROOT
+from test_bench_cli import read_only_folder
 
 from mpipar.tools import student
 
@@ -93,3 +94,80 @@ def test_bad_input(tmp_path):
         student.grade(tmp_path / "nowhere")
     with pytest.raises(SystemExit, match="no exercise 'ring'"):
         student.grade(ROOT, ["ring"])
+
+
+def test_an_exercise_that_exits_fails_and_grading_goes_on(tmp_path):
+    """sys.exit(0) in an exercise ended its training run with exit code 0 and no parameters
+    saved, and the grader died in a FileNotFoundError traceback: now that exercise fails with
+    a line that says it exited, the next one is still graded, and the exit code counts both."""
+    copy, path = tmp_path / "copy", "mpipar/data_parallel.py"
+    student.make(copy)
+    source = (copy / path).read_text()
+    stub = source.index("raise NotImplementedError(", source.index("def ring_allreduce("))
+    (copy / path).write_text(source[:stub] + "import sys\n    sys.exit(0)\n    " + source[stub:])
+    proc, lines = grade(copy, "ring-allreduce", "f-backward")
+    assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr, \
+        proc.stdout + proc.stderr
+    assert lines == {"ring-allreduce": "FAILED: exited early (exit code 0, and no parameters "
+                                       "saved): exercise code must return, not call sys.exit()",
+                     "f-backward": "FAILED: not written yet (NotImplementedError)"}, proc.stdout
+
+
+@pytest.mark.parametrize("output", [
+    "INTERNALERROR> Traceback (most recent call last):\nINTERNALERROR> SystemExit: 0\n",
+    "FAILED tests/test_schedules.py::test_exact - SystemExit: 0\n1 failed in 0.1s\n",
+])
+def test_a_test_run_ended_by_sys_exit_says_so(output):
+    """pytest reports a sys.exit() in the code it tests as an INTERNALERROR (at import) or as
+    a failed test; either is named as the exit, in one line."""
+    proc = subprocess.CompletedProcess([], 1, output, "")
+    assert student.why(proc) == ("exited early (SystemExit: 0): exercise code must return, not "
+                                 "call sys.exit()")
+
+
+def make_refused(target):
+    """``python -m mpipar.tools.student make TARGET``, which must refuse: its one-line error."""
+    proc = subprocess.run([sys.executable, "-m", "mpipar.tools.student", "make", str(target)],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode != 0 and proc.stdout == "", proc
+    assert "Traceback" not in proc.stderr and "\n" not in proc.stderr.strip(), proc.stderr
+    return proc.stderr.strip()
+
+
+def test_make_refuses_a_place_it_cannot_write_before_writing_anything(tmp_path):
+    """A regular file once died in NotADirectoryError, a read-only folder in a PermissionError
+    half-way through the copy."""
+    (tmp_path / "a-file").write_text("kept")
+    assert make_refused(tmp_path / "a-file") == \
+        f"error: cannot make the copy: {tmp_path / 'a-file'} is a file, not a folder"
+    assert make_refused(tmp_path / "a-file" / "copy") == \
+        f"error: cannot make the copy: {tmp_path / 'a-file'} is a file, not a folder"
+    assert (tmp_path / "a-file").read_text() == "kept"
+    read_only = read_only_folder(tmp_path)
+    if read_only is None:
+        pytest.skip("no folder here that this process cannot write in")
+    assert make_refused(read_only / "copy").startswith(
+        f"error: cannot make the copy: cannot write in {read_only} (")
+    assert not (read_only / "copy").exists()
+
+
+@pytest.mark.parametrize("existed", [False, True])
+def test_make_that_fails_half_way_leaves_nothing(existed, tmp_path, monkeypatch):
+    """A copy cut short (here a full disk after the first file) is removed again; an empty
+    folder that was given stays, empty."""
+    target = tmp_path / "copy"
+    if existed:
+        target.mkdir()
+
+    def copy_then_fail(source, folder):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "setup.cfg").write_text("half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(student, "copy_project", copy_then_fail)
+    with pytest.raises(SystemExit) as exit_info:
+        student.make(target)
+    message = str(exit_info.value.code)
+    assert message.startswith(f"error: could not write the copy in {target}, so nothing is left")
+    assert "No space left on device" in message and "\n" not in message
+    assert (sorted(target.iterdir()) == []) if existed else not target.exists()

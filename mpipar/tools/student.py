@@ -39,11 +39,12 @@ from pathlib import Path
 
 import numpy as np
 
-from mpipar.tools.bench.common import mpirun_path
+from mpipar.tools.bench.common import OneLineParser, folder_problem, mpirun_path
 
 ROOT = Path(__file__).resolve().parents[2]
 COPIED = ("mpipar", "tests", "lessons", "setup.cfg", "pyproject.toml", "Makefile", "README.md")
 TOLERANCE = 1e-10
+NOTHING_SAVED = "exit code 0, and no parameters saved"  # a training run that sys.exit(0) ended
 
 MLP = ["--model", "mlp", "--sizes", "64,16,16,16,10", "--batch-size", "12", "--steps", "3"]
 GPT = ["--model", "gpt", "--d-model", "16", "--n-heads", "4", "--n-layers", "2", "--seq-len",
@@ -171,9 +172,33 @@ def copy_project(source, target):
 
 
 def make(target):
+    """Write the student's copy into ``target``, a new or empty folder. Anything else (a file,
+    a folder with files in it, a place this process cannot write in) is refused before a file
+    is written; a copy that fails half-way (a full disk) is removed again."""
     target = Path(target)
-    if target.exists() and any(target.iterdir()):
+    if target.is_dir() and any(target.iterdir()):
         raise SystemExit(f"error: {target} exists and is not empty; choose a new folder")
+    if problem := folder_problem(target):
+        raise SystemExit(f"error: cannot make the copy: {problem}")
+    existed = target.exists()
+    try:
+        write_copy(target)
+    except OSError as err:
+        for path in list(target.iterdir()) if existed else [target]:  # what the copy made
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        raise SystemExit(f"error: could not write the copy in {target}, so nothing is left "
+                         f"there: {err}") from None
+    print(f"wrote {target}: {len(EXERCISES)} exercises to write "
+          f"(`python -m mpipar.tools.student list`); grade with "
+          f"`python -m mpipar.tools.student grade "
+          f"{target}`")
+
+
+def write_copy(target):
+    """The project copied into ``target``, each exercise's functions replaced by stubs."""
     copy_project(ROOT, target)
     by_file = {}
     for ex in EXERCISES:
@@ -183,10 +208,6 @@ def make(target):
         for ex in exercises:
             source = stub_source(source, ex.functions, f"exercise {ex.name}: {ex.task}")
         (target / path).write_text(source)
-    print(f"wrote {target}: {len(EXERCISES)} exercises to write "
-          f"(`python -m mpipar.tools.student list`); grade with "
-          f"`python -m mpipar.tools.student grade "
-          f"{target}`")
 
 
 # ----------------------------------------------------------------------------- grade
@@ -202,12 +223,21 @@ def run(cmd, copy, timeout=180):
 
 def why(proc):
     """The line that says why a run failed: the exception (``NotImplementedError``: "not
-    written yet"), a refusal, a failed test's assertion, else the last line of output."""
+    written yet"; ``SystemExit``: the code exited), a refusal, a failed test's assertion, else
+    the last line of output."""
     lines = [line.strip() for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
     if any(line.startswith("NotImplementedError") for line in lines):
         return "not written yet (NotImplementedError)"
+    exits = [m[0] for line in lines if (m := re.search(r"\bSystemExit\b.*$", line))]
+    if exits:
+        return exited(exits[0])
     found = [line for line in lines if re.match(r"(E +)?\w+(Error|Exception)\b|error:", line)]
     return (found or lines or [f"exit code {proc.returncode}"])[0].removeprefix("E").strip()
+
+
+def exited(detail):
+    """Why a run that the code under test ended early failed (one line)."""
+    return f"exited early ({detail}): exercise code must return, not call sys.exit()"
 
 
 def first_mismatch(got, want):
@@ -263,14 +293,15 @@ def check_training(ex, folder, scratch):
     saved = scratch / f"{ex.name}.npz"
     proc = run([mpirun_path(), "-n", str(ex.ranks), sys.executable, "-m", f"mpipar.{ex.scheme}",
                 *ex.flags, *shared, "--save-params", str(saved)], folder)
-    if proc.returncode != 0:
-        return why(proc)
+    if proc.returncode != 0 or not saved.exists():  # exit code 0 and nothing saved: sys.exit(0)
+        return why(proc) if proc.returncode != 0 else exited(NOTHING_SAVED)
     serial = scratch / f"serial-{'-'.join(ex.model)}.npz"  # exercises of one model share it
     if not serial.exists():
         proc = run([sys.executable, "-m", "mpipar.serial", *shared, "--save-params",
                     str(serial)], folder)
-        if proc.returncode != 0:
-            return f"the serial reference failed: {why(proc)}"
+        if proc.returncode != 0 or not serial.exists():
+            return ("the serial reference failed: "
+                    + (why(proc) if proc.returncode else exited(NOTHING_SAVED)))
     with np.load(saved) as got, np.load(serial) as want:
         return first_mismatch(dict(got), dict(want))
 
@@ -306,8 +337,8 @@ def grade(copy, names=()):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m mpipar.tools.student", description=__doc__.split(
-        "\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(prog="python -m mpipar.tools.student", description=__doc__.split("\n")[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="the exercises, with the functions each one asks for")
     sub.add_parser("make", help="copy the project with the exercises taken out").add_argument(
