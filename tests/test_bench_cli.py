@@ -280,9 +280,36 @@ def test_the_command_line_refuses_in_one_line(argv, says, tmp_path):
     assert proc.stdout == ""
 
 
+@pytest.mark.parametrize("argv, prog", [
+    (["--help"], "usage: python -m mpipar.tools.bench [-h]"),
+    (["pp", "--help"], "usage: python -m mpipar.tools.bench pp [-h]"),
+    (["--help", "wait"], "usage: python -m mpipar.tools.bench wait [-h]"),
+])
+def test_help_is_the_named_benchmarks(argv, prog):
+    proc = subprocess.run([sys.executable, "-m", "mpipar.tools.bench", *argv], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.startswith(prog), proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["mpipar.tools.report", "--launches", "0"],
+     "error: argument --launches: expected a whole number > 0, got '0' (see --help)"),
+    (["mpipar.tools.figures", "--bogus"], "error: unrecognized arguments: --bogus (see --help)"),
+    (["mpipar.tools.cluster", "--hosts", "x"],
+     "error: argument --hosts: invalid int value: 'x' (see --help)"),
+])
+def test_the_other_tools_refuse_in_one_line_too(argv, says):
+    """Without argparse's usage block, as the benchmarks and the trainers refuse."""
+    proc = subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert_one_line_refusal(proc.returncode, proc.stderr, says)
+    assert proc.stdout == ""
+
+
 # ----------------------------------------------------------------------------- mpipar.mpi.grid
 @pytest.mark.parametrize("flags, says", [
     (["--tp", "0"], "error: --tp must be at least 1, got 0"),
+    (["--tp", "x"], "error: argument --tp: invalid int value: 'x' (see --help)"),
     (["--pp", "-2"], "error: --pp must be at least 1, got -2"),
     (["--dp", "0", "--tp", "2"], "error: --dp must be at least 1, got 0"),
 ])

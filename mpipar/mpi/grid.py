@@ -78,6 +78,7 @@ def main(argv=None):
     install_excepthook()
     ap = argparse.ArgumentParser(prog="python -m mpipar.mpi.grid",
                                  description="Print the rank layout.")
+    ap.error = lambda message: refuse(f"{message} (see --help)")
     ap.add_argument("--dp", type=int, default=None)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)

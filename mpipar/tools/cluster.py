@@ -380,6 +380,7 @@ def parser():
                     "where `mpirun -n N ...` starts N/hosts ranks on every host. Needs root.",
         epilog="example: python -m mpipar.tools.cluster --hosts 2 --bandwidth 1gbit "
                "mpirun -n 4 python -m mpipar.data_parallel --sync allreduce")
+    ap.error = lambda message: refuse(f"{message} (see --help)")
     ap.add_argument("--hosts", type=int, default=2, help="emulated hosts (2 to 64; default 2)")
     ap.add_argument("--bandwidth", default="none", metavar="RATE",
                     help="each host's link, as tc writes rates: 1gbit, 100mbit, ... (default "

@@ -25,9 +25,11 @@ from mpipar.tools import headlines  # noqa: E402
 from mpipar.tools.bench.common import (  # noqa: E402 (after the thread settings above)
     PLOTS,
     SCRATCH,
+    OneLineParser,
     cores,
     csv_rows,
     environment,
+    number,
     pyplot,
     read_csv,
     save_figure,
@@ -228,17 +230,15 @@ def plot_memory(path):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m mpipar.tools.report", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(prog="python -m mpipar.tools.report", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="each benchmark's short version")
     ap.add_argument("--plots-only", action="store_true",
                     help="skip the benchmarks: redraw and rewrite from the CSVs in plots/")
-    ap.add_argument("--launches", type=int, default=3, metavar="R",
+    ap.add_argument("--launches", type=number(), default=3, metavar="R",
                     help="launch the headline benchmarks R times in all, for their spread "
                          "(default 3; 1: only the main run)")
     args = ap.parse_args(argv)
-    if args.launches < 1:
-        ap.error("--launches must be at least 1")
     link_note = None  # bench link's section: why this run did not measure the link
     if args.plots_only:  # the times of the run that wrote the CSVs, if it recorded them
         times = csv_rows(PLOTS, "bench_times.csv")

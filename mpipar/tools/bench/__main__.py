@@ -32,12 +32,18 @@ def main(argv=None):
 
     ap = OneLineParser(prog="python -m mpipar.tools.bench", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter,
-                       epilog="\n".join(f"  {k:8s} {v}" for k, v in BENCHES.items()))
-    ap.add_argument("which", choices=list(BENCHES))
+                       epilog="\n".join(f"  {k:8s} {v}" for k, v in BENCHES.items()),
+                       add_help=False)  # `bench NAME --help` is NAME's help: passed on below
+    ap.add_argument("-h", "--help", action="store_true", help="show this help message and exit")
+    ap.add_argument("which", nargs="?", choices=list(BENCHES))
     ap.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     args, rest = ap.parse_known_args(argv)
+    if args.which is None:
+        if args.help:
+            return ap.print_help()
+        ap.error("the following arguments are required: which")
     module = importlib.import_module(f"mpipar.tools.bench.{args.which}")
-    module.main(rest + (["--quick"] if args.quick else []))
+    module.main(rest + (["--help"] if args.help else []) + (["--quick"] if args.quick else []))
 
 
 if __name__ == "__main__":

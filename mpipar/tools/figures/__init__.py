@@ -28,10 +28,11 @@ longer matches the code is caught, whichever matplotlib version renders the pixe
 picture of ZeRO's shards and of the hybrid's pipeline of tensor-parallel stages.
 """
 
-import argparse
 import hashlib
 import json
 from pathlib import Path
+
+from mpipar.tools.bench.common import OneLineParser
 
 DEFAULT_OUT = Path(__file__).resolve().parents[3] / "lessons" / "figures"
 
@@ -60,8 +61,8 @@ def write_all(out):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m mpipar.tools.figures",
-                                 description="Draw the course's pictures of the ideas.")
+    ap = OneLineParser(prog="python -m mpipar.tools.figures",
+                       description="Draw the course's pictures of the ideas.")
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="folder for the PNGs and data.json")
     args = ap.parse_args(argv)
     for name in write_all(args.out):
