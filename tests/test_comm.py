@@ -190,6 +190,26 @@ def test_a_stopped_rank_ends_the_job_and_the_launcher_kills_it_too(mpirun):
     assert not left, f"processes of the job still alive (pid, state): {left}"
 
 
+@pytest.mark.parametrize("how, wait, says", [
+    ("term", "spin", "[rank 2] ended by SIGTERM (signal 15): stopping the job"),
+    ("hup", "sleep", "[rank 2] ended by SIGHUP (signal 1): stopping the job"),
+])
+def test_a_rank_ended_by_a_signal_says_which_and_ends_the_job(mpirun, how, wait, says):
+    """Rank 0 sends rank 2 the signal while rank 2 waits inside MPI (blocked in MPI's own Wait,
+    or between two polls): rank 2 names itself and the signal, and the job ends with 128 + the
+    signal's number, with no process left."""
+    proc = mpirun(4, [MPI_SCRIPTS / "hang.py", "2", how, "30"], timeout=60, check=False,
+                  env={"MPIPAR_WAIT": wait})
+    time.sleep(0.5)
+    left = leftovers(proc.stdout)
+    for pid, _ in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes of the job still alive (pid, state): {left}"
+    assert proc.returncode == 128 + (15 if how == "term" else 1), proc.stderr
+    assert proc.stderr.splitlines()[0] == says, proc.stderr
+    assert "Traceback" not in proc.stderr and "BAD TERMINATION" not in proc.stdout
+
+
 STOPS = {  # moment of tests/mpi/stop_at.py: the call the others' watchdogs name
     "paths": "Split_type on world: all ranks",  # rank 0's verdict went out eagerly: it waits next
     "machine": "Split_type on world: all ranks  (which ranks share this machine)",

@@ -1,7 +1,7 @@
 """How a job ends when something goes wrong: at once, on every rank, and with one clear message.
 
 An MPI job is P processes that wait for each other, so one rank in trouble leaves the others
-waiting forever unless someone ends the job. Four ways a job goes wrong, and what ends it:
+waiting forever unless someone ends the job. Five ways a job goes wrong, and what ends it:
 
 1. an uncaught exception on one rank: :func:`install_excepthook` prints the traceback with the
    rank and calls MPI_Abort, which makes the launcher kill every process of the job;
@@ -12,7 +12,10 @@ waiting forever unless someone ends the job. Four ways a job goes wrong, and wha
    this rank has waited longer than ``--timeout`` seconds inside ONE call, after printing what
    it waits for and its last calls (the flight recorder, :data:`FLIGHT`);
 4. bad input (a flag, an environment variable): every rank sees the same input and refuses it
-   with :func:`refuse`: exit code 2, the message printed once.
+   with :func:`refuse`: exit code 2, the message printed once;
+5. a rank ended by SIGTERM or SIGHUP (``kill PID``): it names itself and the signal in one
+   line (:func:`terminated`), and the launcher ends the others. ``kill -9`` cannot be caught:
+   the launcher's "BAD TERMINATION" message names the PID that died.
 
 :mod:`mpipar.mpi.comm` keeps the flight recorder up to date on every call (about 0.2 us a call), and
 re-exports ``install_excepthook``, ``start_watchdog`` and ``refuse``. This module does not import
@@ -46,6 +49,7 @@ ABORT_GRACE = 1.0  # seconds between a failing rank's message and MPI_Abort
 INTERRUPT_WAIT = 2.0  # seconds more the other ranks wait for rank 0 to end an interrupted job
 HUNG = 124  # exit code of a job ended by the watchdog (coreutils' timeout uses it too)
 RECENT = 16  # calls the flight recorder keeps
+ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # a rank ended by one of these says so
 
 
 class Flight:
@@ -167,13 +171,37 @@ def _watch_interrupts():
     os.set_blocking(write_fd, False)
     signal.set_wakeup_fd(write_fd)
 
+    for sig in ENDING_SIGNALS:
+        signal.signal(sig, lambda signum, frame: terminated(signum))
+
     def watch():
         while True:
             got = os.read(read_fd, 64)
             if signal.SIGINT in got and FLIGHT.waiting is not None:
                 interrupted()
+            for sig in ENDING_SIGNALS:
+                if sig in got:
+                    terminated(sig)
 
     threading.Thread(target=watch, name="mpipar-interrupts", daemon=True).start()
+
+
+# ----------------------------------------------------------------------------- 5. SIGTERM, SIGHUP
+def terminated(signum):
+    """SIGTERM or SIGHUP to one rank (``kill PID``, a closed terminal, a batch system's limit):
+    it says in one line that it was ended and by which signal, then aborts the job with the
+    code the signal would have given (128 + its number). Called by the
+    signal's handler, or by the interrupt thread while the main thread is blocked inside MPI.
+    SIGKILL (``kill -9``) cannot be caught: there only the launcher speaks, naming the PID."""
+    with _ending:
+        try:
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass
+        name = signal.Signals(signum).name
+        _write([f"ended by {name} (signal {signum}): stopping the job"])
+        time.sleep(ABORT_GRACE)  # as in install_excepthook: let the launcher forward the line
+        abort(128 + signum)  # a rank that simply exits is reported as some other rank's kill
 
 
 # ----------------------------------------------------------------------------- 3. hangs

@@ -6,6 +6,9 @@ Allreduce (or, with ``sleep-pickled``, in a pickled bcast); after SECONDS their 
 what they waited for and their last calls, and abort the job. Every rank prints its pid first,
 so that a test can check that no process of the job outlives it.
 
+HOW ``term`` or ``hup``: rank 0 sends RANK SIGTERM or SIGHUP while RANK waits inside MPI for a
+message that never comes: RANK must say so and end the job.
+
 HOW ``slow``: RANK is late by 0.4 SECONDS before each of 8 Allreduces. The others wait longer
 than SECONDS in all, but never that long in one call: the job must finish ("done").
 """
@@ -35,6 +38,16 @@ w.Isend(x, (w.rank + 1) % w.size, what="a ring message").wait()
 ring.wait()
 w.Barrier()
 
+if how in ("term", "hup"):  # RANK is sent the signal by rank 0, while it waits inside MPI
+    sig = signal.SIGTERM if how == "term" else signal.SIGHUP
+    pids = w.allgather_obj(os.getpid(), what="the pids")
+    if w.rank == hung:
+        w.Recv(np.empty(8), (hung + 1) % w.size, what="a message that never comes")
+    elif w.rank == 0:
+        time.sleep(0.5)
+        os.kill(pids[hung], sig)
+    while True:
+        time.sleep(1)
 if how == "slow":
     for step in range(8):
         if w.rank == hung:
