@@ -452,3 +452,53 @@ def test_make_report_launches_the_headline_benchmarks_again(monkeypatch, tmp_pat
     assert calls == [(name, ["--out", str(tmp_path / f"launch-{k}")]) for k in (2, 3)
                      for name in headlines.benches()]
     assert "wait" not in headlines.benches()  # minutes a launch: once, on its own
+
+
+# ----------------------------------------------------------------------------- bench wait --busy
+def test_busy_processes_run_beside_the_block_and_are_gone_after_it():
+    from mpipar.tools.bench import busy
+
+    with busy.busy_processes(2) as procs:
+        assert len(procs) == 2 and all(p.poll() is None for p in procs)
+        args = [Path(f"/proc/{p.pid}/cmdline").read_bytes().split(b"\0") for p in procs]
+        assert all(a[-2:] == [busy.LOOP.encode(), b""] for a in args), args
+    assert all(p.poll() is not None for p in procs)  # killed and reaped
+
+
+def test_wait_busy_tables_each_strategy_beside_busy_processes(monkeypatch, tmp_path, capsys):
+    """No launch, no busy process here: the step time is 10 ms idle, and beside N busy
+    processes 10 ms * (1 + N / 4) with the default strategy, (1 + N) with any other: the
+    slowdowns, the target's verdict and what the CSV says must come out exactly."""
+    from contextlib import contextmanager
+
+    from mpipar.mpi import waiting
+    from mpipar.tools.bench import busy, wait
+
+    beside, launched = [0], []
+
+    @contextmanager
+    def fake_busy(n):
+        beside[0] = n
+        yield []
+        beside[0] = 0
+
+    def step_time(n, command, steps, strategy=None):
+        launched.append((n, command[0], steps, strategy, beside[0]))
+        k = beside[0]
+        return wait.Timing(0.010 * (1 + k / 4 if strategy == "sleep" else 1 + k), 0, 0, 0)
+
+    monkeypatch.setattr(busy, "busy_processes", fake_busy)
+    monkeypatch.setattr(wait, "step_time", step_time)
+    wait.main(["--busy-only", "--busy", "1,2,4", "--rounds", "2", "--steps", "5",
+               "--out", str(tmp_path)])
+    assert {(n, m, s) for n, m, s, *_ in launched} == {(4, "mpipar.pipeline", 5)}
+    assert len(launched) == 2 * 4 * 4  # rounds x strategies x (idle + 3 counts)
+    with open(tmp_path / "wait_busy.csv") as f:
+        rows = {(int(r["busy"]), r["strategy"]): r for r in csv.DictReader(f)}
+    assert set(rows) == {(n, w) for n in (1, 2, 4) for w in waiting.STRATEGIES}
+    assert float(rows[2, "sleep"]["slowdown"]) == 1.5 and rows[2, "sleep"]["default"] == "True"
+    assert float(rows[4, "spin"]["slowdown"]) == 5.0 and rows[4, "spin"]["target"] == ""
+    assert rows[2, "sleep"]["target"] == "2.0"
+    out = capsys.readouterr().out
+    assert "default (sleep) beside 2 busy processes: 1.50, target at most 2.0: met" in out, out
+    assert (tmp_path / "wait_busy.png").stat().st_size > 0

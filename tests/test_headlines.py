@@ -161,3 +161,31 @@ def test_the_main_job_is_set_beside_a_perfect_scheduler(tmp_path):
     text = "\n".join(report_speed.wait_lines(tmp_path))
     assert "4 ranks on 2 cores spend 1.10x the CPU time a step and rank of 2: that much of the " \
         "difference is what sharing a core costs the work itself, with no wait in it." in text
+
+
+def test_the_main_job_beside_busy_processes_is_tabled_and_judged(tmp_path):
+    """wait_busy.csv: a row per strategy, a column per busy count, the default in bold, and
+    the default beside 2 busy processes judged over the rounds, as the headline judges it."""
+    from mpipar.tools import report_speed
+
+    def row(busy, strategy, slowdown, rounds="", target=""):
+        return dict(busy=busy, strategy=strategy, default=str(strategy == "sleep"),
+                    slowdown=slowdown, slowdown_min=slowdown - 0.1, slowdown_max=slowdown + 0.1,
+                    round_slowdowns=rounds, target=target, loadavg_1min=0.5)
+
+    for rounds, verdict in [("1.4;1.5;1.6", "met"), ("1.4;1.5;2.6", "met by the median"),
+                            ("1.4;2.1;2.6", "**not met**")]:
+        write(tmp_path, "wait_busy.csv", [
+            row(1, "spin", 1.3), row(2, "spin", 2.5), row(1, "sleep", 1.2),
+            row(2, "sleep", 1.5, rounds, 2.0)])
+        text = "\n".join(report_speed.busy_lines(tmp_path))
+        assert "| strategy | N = 1 | N = 2 |" in text
+        assert "| spin | 1.30 (1.20-1.40) | 2.50 (2.40-2.60) |" in text
+        assert "| sleep | **1.20 (1.10-1.30)** | **1.50 (1.40-1.60)** |" in text
+        assert ("Beside 2 busy processes the default (sleep) takes 1.50x the idle step, target "
+                f"at most 2.0: {verdict}.") in text
+        assert ("would take (4 + N) / 4 of its idle time: 1.25 for N = 1, 1.50 for N = 2. "
+                "Fastest by the median: sleep beside 1, sleep beside 2.") in text
+        (h, med, lo, hi, n, judged), = [s for s in headlines.summary(
+            headlines.with_once([], tmp_path)) if s[0].key == "main_job_busy2"]
+        assert (n, judged) == (3, verdict.strip("*"))

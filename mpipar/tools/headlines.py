@@ -81,6 +81,21 @@ def _shared_cores(name):
     return extract
 
 
+def _beside_busy(n):
+    def extract(folder, rounds=False):
+        """The main job's slowdown beside ``n`` busy processes with its default waiting
+        (median over bench wait's rounds; with ``rounds``, each round's). None if not
+        measured."""
+        row = next((r for r in csv_rows(folder, "wait_busy.csv")
+                    if r["busy"] == str(n) and r["default"] == "True"), None)
+        if row is None:
+            return None
+        if not rounds:
+            return float(row["slowdown"])
+        return [float(v) for v in row["round_slowdowns"].split(";")]
+    return extract
+
+
 HEADLINES = [
     *(Headline(f"engine_{rows}", f"engine / bare NumPy, MLP step at {rows} rows", "overhead",
                ("<=", 1.15), _overhead(f"MLP step, {rows} rows")) for rows in (16, 32, 128)),
@@ -101,6 +116,8 @@ HEADLINES = [
              "ranks", "wait", None, _shared_cores(BARE)),
     Headline("main_job", "the main job (pipeline demo): 4 ranks / 2 ranks per step", "wait",
              ("<=", 1.1), _shared_cores("main job (pipeline)")),
+    Headline("main_job_busy2", "the main job beside 2 busy processes / on the idle machine, "
+             "per step", "wait", ("<=", 2.0), _beside_busy(2)),
     Headline("dp2_overlap", "data parallelism, 2 ranks, allreduce + overlap: speedup", "dp",
              (">=", 1.8), _dp_speedup("allreduce+overlap", 2)),
     Headline("dp2_master", "data parallelism, 2 ranks, master scheme: speedup", "dp", None,

@@ -152,6 +152,43 @@ def floor_lines(pairs):
             f"trace are Python calls, which a step this small does not hide).", ""]
 
 
+def busy_lines(folder=PLOTS):
+    """The main job beside busy processes (bench wait's wait_busy.csv): each strategy's
+    slowdown over the idle machine, and the default's verdict beside 2 of them."""
+    rows = csv_rows(folder, "wait_busy.csv")
+    if not rows:
+        return []
+    counts = list(dict.fromkeys(r["busy"] for r in rows))
+    lines = ["![busy machine](wait_busy.png)", "",
+             "The main job beside N busy processes (each a Python loop that never waits, at "
+             "the ranks' priority), its step time over the idle machine's with the same "
+             "strategy (median over rounds, with the range; the default in bold; "
+             f"`wait_busy.csv`, measured at load {float(rows[0]['loadavg_1min']):.2f}):", "",
+             "| strategy | " + " | ".join(f"N = {n}" for n in counts) + " |",
+             "|---" * (len(counts) + 1) + "|"]
+    for w in dict.fromkeys(r["strategy"] for r in rows):
+        mine = {r["busy"]: r for r in rows if r["strategy"] == w}
+        lines.append(f"| {w} | " + " | ".join(
+            ("**{}**" if mine[n]["default"] == "True" else "{}").format(
+                f"{float(mine[n]['slowdown']):.2f} ({float(mine[n]['slowdown_min']):.2f}-"
+                f"{float(mine[n]['slowdown_max']):.2f})") for n in counts) + " |")
+    said = []
+    for r in (r for r in rows if r["target"]):
+        rounds = [float(v) for v in r["round_slowdowns"].split(";")]
+        verdict = headlines.verdict(rounds, ("<=", float(r["target"])))
+        said.append(f"Beside {r['busy']} busy processes the default ({r['strategy']}) takes "
+                    f"{float(r['slowdown']):.2f}x the idle step, target at most {r['target']}: "
+                    + ("**not met**" if verdict == "not met" else verdict) + ".")
+    fastest = {n: min((r for r in rows if r["busy"] == n), key=lambda r: float(r["slowdown"]))
+               for n in counts}
+    said.append("Were the cores shared evenly between the 4 ranks and the N busy processes, "
+                "the ranks' work would take (4 + N) / 4 of its idle time: " + ", ".join(
+                    f"{(4 + int(n)) / 4:.2f} for N = {n}" for n in counts)
+                + ". Fastest by the median: " + ", ".join(
+                    f"{fastest[n]['strategy']} beside {n}" for n in counts) + ".")
+    return lines + ["", " ".join(said), ""]
+
+
 def speed_section(folder=PLOTS):
-    body = overhead_lines(folder) + dp_lines(folder) + wait_lines(folder)
+    body = overhead_lines(folder) + dp_lines(folder) + wait_lines(folder) + busy_lines(folder)
     return ["## Speed at learners' sizes", "", *body] if body else []

@@ -2,6 +2,7 @@
 (:mod:`mpipar.mpi.waiting`) on every scheme, 4 ranks, and the main job on 4 ranks against 2.
 
     python -m mpipar.tools.bench wait            # wait.csv and wait.png in --out
+    python -m mpipar.tools.bench wait --busy-only    # wait_busy.csv and wait_busy.png only
 
 Each scheme's trainer, built from its own command line (its default model) as the runner
 builds it, runs on 4 ranks once per strategy, the strategies interleaved round after round, so
@@ -27,6 +28,9 @@ per rank; the context switches a step on 4 and on 2 (voluntary: a wait that slee
 involuntary: a rank preempted) count what sharing adds; and the main job's model trained by
 each rank on its own (ALONE: no messages, no waits) on 4 ranks and on 2 gives what sharing a
 core costs the work itself, CPU time a step and rank.
+
+Last, the main job with each strategy beside ``--busy`` busy processes, against the idle
+machine (:mod:`mpipar.tools.bench.busy`): what a machine busy with other work costs.
 """
 
 import argparse
@@ -41,10 +45,12 @@ import numpy as np
 from mpipar.mpi import waiting
 from mpipar.parts import schedules
 from mpipar.tools import headlines
+from mpipar.tools.bench import busy
 from mpipar.tools.bench.common import (
     WAIT_BARE,
     bench_parser,
     cores,
+    count_list,
     emit,
     environment,
     number,
@@ -342,6 +348,11 @@ def main(argv=None):
              "each a launch of every command (a 4 / 2 ratio varies from launch to launch)")
     ap.sized("--steps", 20, 10, type=number(),
              help="timed steps per launch, after 3 warm-up steps")
+    ap.sized("--busy", [1, 2, 4], [2], type=count_list(),
+             help="the main job also beside this many busy processes, each count against the "
+                  "idle machine (wait_busy.csv, wait_busy.png)")
+    ap.add_argument("--busy-only", action="store_true",
+                    help="measure only the main job beside busy processes")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("flags", nargs="*", help=argparse.SUPPRESS)  # the worker's trainer's
     args = ap.parse_args(argv)
@@ -349,9 +360,21 @@ def main(argv=None):
         ap.error(f"unrecognized arguments: {' '.join(args.flags)}")
     if args.worker:
         return worker(args.worker, args.steps, 3, args.flags)
-    schemes = QUICK_SCHEMES if args.quick else tuple(SCHEMES)
     strategies = tuple(waiting.STRATEGIES)
     load = round(os.getloadavg()[0], 2)
+    if not args.busy_only:
+        measure_strategies(args, strategies, load)
+    main_job = PAIRS["main job (pipeline)"]
+    slowdowns = busy.measure(lambda w: step_time(4, main_job, args.steps, w).step, strategies,
+                             args.busy, args.rounds)
+    rows = busy.rows_of(slowdowns, default_strategy(main_job), load)
+    print(busy.table(rows))
+    wrote(write_csv("wait_busy.csv", rows, args.out), busy.plot(rows, args.out / "wait_busy.png"))
+
+
+def measure_strategies(args, strategies, load):
+    """Every scheme with every strategy, and the PAIRS on 4 ranks against 2: wait.csv."""
+    schemes = QUICK_SCHEMES if args.quick else tuple(SCHEMES)
     times, pairs = measure(schemes, strategies, args.rounds, args.steps)
     rows = [dict(environment(ranks=4), bench="wait", scheme=s, strategy=w,
                  default=w == default_strategy(SCHEMES[s]),
