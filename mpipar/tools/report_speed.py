@@ -20,6 +20,13 @@ def _rounds_verdict(row):
     return "**not met**" if verdict == "not met" else verdict
 
 
+def _cell(row, median, low, high, digits):
+    """A table cell: the median and its range over the rounds, in bold for the default."""
+    text = f"{float(row[median]):.{digits}f} ({float(row[low]):.{digits}f}-" \
+           f"{float(row[high]):.{digits}f})"
+    return f"**{text}**" if row["default"] == "True" else text
+
+
 def overhead_lines(folder=PLOTS):
     rows = csv_rows(folder, "overhead.csv")
     if not rows:
@@ -74,9 +81,7 @@ def wait_lines(folder=PLOTS):
     for scheme in dict.fromkeys(r["scheme"] for r in cells):
         mine = {r["strategy"]: r for r in cells if r["scheme"] == scheme}
         lines.append(f"| {scheme} | " + " | ".join(
-            ("**{}**" if mine[s]["default"] == "True" else "{}").format(
-                f"{float(mine[s]['step_ms']):.1f} ({float(mine[s]['min_ms']):.1f}-"
-                f"{float(mine[s]['max_ms']):.1f})") for s in strategies) + " |")
+            _cell(mine[s], "step_ms", "min_ms", "max_ms", 1) for s in strategies) + " |")
     lines += ["", "Sharing the cores: " + "; ".join(
         f"{r['scheme']} {float(r['ratio']):.2f} ({float(r['ratio_min']):.2f}.."
         f"{float(r['ratio_max']):.2f}), " + (f"target at most {r['target']}: "
@@ -169,9 +174,7 @@ def busy_lines(folder=PLOTS):
     for w in dict.fromkeys(r["strategy"] for r in rows):
         mine = {r["busy"]: r for r in rows if r["strategy"] == w}
         lines.append(f"| {w} | " + " | ".join(
-            ("**{}**" if mine[n]["default"] == "True" else "{}").format(
-                f"{float(mine[n]['slowdown']):.2f} ({float(mine[n]['slowdown_min']):.2f}-"
-                f"{float(mine[n]['slowdown_max']):.2f})") for n in counts) + " |")
+            _cell(mine[n], "slowdown", "slowdown_min", "slowdown_max", 2) for n in counts) + " |")
     said = []
     for r in (r for r in rows if r["target"]):
         rounds = [float(v) for v in r["round_slowdowns"].split(";")]
