@@ -50,6 +50,7 @@ import numpy as np
 from mpipar.engine import backend as B
 from mpipar.engine.parameters import put, take
 from mpipar.mpi import comm
+from mpipar.runner.manifest import manifest_problem
 
 FORMAT = 1
 # name: canonical name; kind: "param" or an optimizer state; shape: the full logical shape;
@@ -297,53 +298,6 @@ def find(path):
         return path
     found = checkpoints(path) if os.path.isdir(path) else []
     return os.path.join(path, found[-1]) if found else None
-
-
-def _is_int(x, low=0):
-    return type(x) is int and x >= low
-
-
-def _select_problem(select, shape):
-    """Why ``select`` names no part of a tensor of ``shape`` (None when it does)."""
-    size = int(np.prod(shape))
-    if select == ["all"]:
-        return None
-    if len(select) == 3 and select[0] == "flat" and _is_int(select[1]) and _is_int(select[2]):
-        return None if select[1] < select[2] <= size else f"run {select[1:]} outside {size}"
-    if len(select) == 3 and select[0] == "axis" and _is_int(select[1]) and select[1] < len(shape) \
-            and isinstance(select[2], list) and select[2] and all(
-                isinstance(r, list) and len(r) == 2 and _is_int(r[0]) and _is_int(r[1])
-                and r[0] < r[1] <= shape[select[1]] for r in select[2]):
-        return None
-    return f"select {select} does not fit shape {shape}"
-
-
-def manifest_problem(m):
-    """Why ``m`` (a parsed manifest.json) is not one this code wrote, or None: every key of
-    the right type, every piece naming a part of its tensor and a file the manifest lists."""
-    if not isinstance(m, dict):
-        return f"a {type(m).__name__}, not an object"
-    want = dict(format=int, step=int, config=dict, files=dict, pieces=list)
-    missing = [k for k, kind in want.items() if type(m.get(k)) is not kind]
-    if missing:
-        return f"{', '.join(missing)} missing or of the wrong type"
-    if not _is_int(m["step"]) or not isinstance(m.get("loss"), (int, float, type(None))) or \
-            not (m.get("adam_t") is None or _is_int(m["adam_t"])):
-        return "step, loss or adam_t is not a count or number"
-    for name, digest in m["files"].items():
-        if os.path.basename(name) != name or name in ("", ".", "..") or \
-                not (isinstance(digest, str) and len(digest) == 64):
-            return f"file entry {name!r}: {digest!r} is no file name and SHA-256"
-    keys = dict(name=str, kind=str, shape=list, select=list, file=str, key=str)
-    for i, piece in enumerate(m["pieces"]):
-        if not isinstance(piece, dict) or any(type(piece.get(k)) is not t for k, t in keys.items()):
-            return f"piece {i} lacks one of {', '.join(keys)} or has it of the wrong type"
-        if not all(_is_int(n) for n in piece["shape"]) or piece["file"] not in m["files"]:
-            return f"piece {i} has a shape {piece['shape']} or a file {piece['file']!r} not listed"
-        problem = _select_problem(piece["select"], piece["shape"])
-        if problem:
-            return f"piece {i}: {problem}"
-    return None
 
 
 def inspect(path, a):
