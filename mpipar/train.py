@@ -7,8 +7,9 @@
 This module owns the command line (:mod:`mpipar.runner.cli`: the flags every trainer shares and
 each scheme's own, and the refusals as a table of condition and message), the process grid,
 the one training loop (progress bar, ``--log-every``, ``--explain`` for the first step only),
-the held-out evaluation, ``--save-params``, and each scheme's report (the pipeline's bubble,
-stash and timeline, the optimizer state and memory per rank).
+the held-out evaluation, ``--save-params``, and each scheme's report at the end
+(:mod:`mpipar.runner.reports`: the pipeline's bubble, stash and timeline, the optimizer state
+and memory per rank).
 
 A scheme is a trainer class with one small interface:
 
@@ -25,7 +26,6 @@ A scheme is a trainer class with one small interface:
 import math
 import os
 import sys
-from collections import deque
 
 import numpy as np
 from mpi4py import MPI
@@ -34,185 +34,12 @@ from mpipar import serial
 from mpipar.engine import backend as B
 from mpipar.mpi import comm
 from mpipar.mpi.grid import Grid
-from mpipar.mpi.trace import TRACE, gantt, median_bubble, median_step, step_summary
-from mpipar.parts.schedules import SPLIT, bubble_formula, format_schedule, peak_in_flight
+from mpipar.mpi.trace import TRACE
+from mpipar.parts.schedules import format_schedule
 from mpipar.runner import checkpoint, clip, memory, recompute
 from mpipar.runner.checkpoint import load_params, save_params  # noqa: F401 (tests load with train's)
-from mpipar.runner.cli import SCHEMES, check_model, layer_names, parse_args
-
-DRAWN = ("forward", "backward", "optimizer")  # trace kinds on the timeline; the rest is idle
-WINDOW = 500  # steps whose traces the pipeline's report keeps (the last ones)
-
-
-# ----------------------------------------------------------------------------- reports
-class Report:
-    """What the runner prints around a scheme's training: ``header()`` before it (world rank 0
-    prints it), ``after_step()`` after each step, and ``lines()`` after it: (lines before the
-    final-loss line, lines after it) on world rank 0. ``lines()`` is called on every rank,
-    since a report may gather from them all."""
-
-    def __init__(self, a, task, trainer, grid, start=0):
-        self.a, self.task, self.trainer, self.grid, self.start = a, task, trainer, grid, start
-        self.n_params = sum(p.size for p in task.build_model().parameters())
-        self.desc = {"data_parallel": f"dp x{a.dp}", "tensor_parallel": f"tp x{a.tp}",
-                     "hybrid": f"hybrid {a.dp}x{a.tp}x{a.pp}"}.get(a.scheme, a.scheme)
-        self.after_step = None
-        self.failed = []  # outputs that could not be written: the run ends with them, code 1
-
-    def training(self):
-        a = self.a
-        return f"{a.steps} steps of {'global ' * (a.dp > 1)}batch {a.batch_size}"
-
-    def tail(self):
-        return f"{self.a.optim} lr {self.a.lr}, {self.a.dtype}"
-
-    def header(self):
-        a = self.a
-        return f"{a.scheme}: {a.model} with {self.n_params:,} parameters, {self.training()}, " \
-               f"{self.tail()}"
-
-    def lines(self):
-        return [], []
-
-
-class DataParallelReport(Report):
-    def header(self):
-        a = self.a
-        mode = a.sync + (f", buckets of {a.bucket_mb:g} MiB" if a.bucket_mb else "")
-        mode += (", overlap" if a.overlap else "") + (f", ZeRO-{a.zero}" if a.zero else "")
-        return (f"data_parallel: {a.model} with {self.n_params:,} parameters on {a.dp} ranks "
-                f"(sync {mode}), {self.training()} (rows per rank "
-                f"{comm.split_rows(a.batch_size, a.dp)}, {a.micro_batches} micro-batch(es)), "
-                f"{self.tail()}")
-
-    def lines(self):
-        state = self.grid.dp_comm.gather_obj(self.trainer.optimizer_state_bytes())
-        return [f"optimizer state bytes per rank: {state}"], []
-
-
-class TensorParallelReport(Report):
-    def header(self):
-        a = self.a
-        local = sum(p.size for p in self.trainer.model.parameters())
-        return (f"tensor parallel: {a.model} with {self.n_params:,} parameters split over "
-                f"{a.tp} ranks ({local:,} on rank 0), update {a.update}, {self.training()}, "
-                f"{self.tail()}")
-
-
-def stage_lines(a, task, trainer, where):
-    """One line per pipeline stage (or piece): its layers and its share of the FLOPs."""
-    names = layer_names(task)
-    total = max(sum(trainer.flops), 1)
-    return [f"  {where(x)}: {', '.join(names[lo:hi]):<34} {sum(trainer.flops[lo:hi]) / 1e6:8.2f} "
-            f"MFLOP forward per micro-batch ({sum(trainer.flops[lo:hi]) / total:4.0%})"
-            for x, (lo, hi) in enumerate(trainer.bounds)]
-
-
-class PipelineReport(Report):
-    def __init__(self, *args):
-        super().__init__(*args)
-        # the last WINDOW steps only: a long run's memory stays flat
-        self.summaries, self.step_events = deque(maxlen=WINDOW), deque(maxlen=WINDOW)
-        self.n_recorded = 0
-        self.after_step = self.record
-
-    def record(self):
-        self.summaries.append(step_summary(TRACE.events))
-        self.step_events.append([e for e in TRACE.events if e[2] in DRAWN])
-        self.n_recorded += 1
-
-    def header(self):
-        a, p, v = self.a, self.a.stages, self.a.chunks
-        rows = "/".join(map(str, sorted(set(self.trainer.micro_rows), reverse=True)))
-        head = (f"pipeline: {a.model} with {self.n_params:,} parameters on {p} stages, "
-                f"schedule {a.schedule}" + (f" with {v} chunks per stage" if v > 1 else "")
-                + f", {a.micro_batches} micro-batches of {rows} rows, {self.training()}, "
-                f"{self.tail()}")
-        where = (lambda x: f"stage {x} (rank {x})") if v == 1 else \
-            (lambda x: f"piece {x} (rank {x % p}, chunk {x // p})")
-        return "\n".join([head] + stage_lines(a, self.task, self.trainer, where))
-
-    def lines(self):
-        pp_comm = self.grid.pp_comm
-        summaries = pp_comm.gather_obj(list(self.summaries))
-        peaks = pp_comm.gather_obj(self.trainer.peak_stash_bytes)
-        step_events = pp_comm.gather_obj(list(self.step_events))
-        if pp_comm.rank != 0:
-            return [], []
-        a, p, v, m = self.a, self.a.stages, self.a.chunks, self.a.micro_batches
-        in_flight = [peak_in_flight(self.trainer.schedule_of(s)) for s in range(p)]
-        shared = f" ({p} ranks on {B.cores()} cores)" if p > B.cores() else ""
-        kept = len(summaries[0])
-        if not kept:  # resumed at --steps: no step ran
-            return [], [f"no step ran (resumed after step {a.steps}, the last of --steps): no "
-                        "trace, so no bubble measured and no timeline drawn"]
-        first = a.steps - kept  # the steps before the first one kept
-        skip = 1 if first == self.start and kept > 1 else 0  # the run's first step warms up
-        steps = f"steps {first + skip + 1}..{a.steps}" if a.steps > first + skip + 1 else \
-            f"step {a.steps}" + (", the only one" if kept == 1 else "")
-        after = [f"bubble measured from the trace {median_bubble(summaries, skip):.3f} (median "
-                 f"over {steps}), " + formula_text(a.schedule, p, m, v)
-                 + f" = {bubble_formula(p, m, a.schedule, v):.3f}{shared}",
-                 "peak activation stash per stage: " + ", ".join(
-                     f"{_fmt_bytes(b)} ({k} {'chunk ' if v > 1 else ''}micro-batch"
-                     f"{'es' if k > 1 else ''})" for b, k in zip(peaks, in_flight))]
-        if a.timeline and a.timeline.lower() != "none":
-            i = median_step(summaries, skip)
-            title = (f"{a.model}, {a.schedule}, {p} stages" + (f" x {v} chunks" if v > 1 else "")
-                     + f", {m} micro-batches: step {first + i + 1} of {a.steps}, the median step "
-                     "by duration")
-            _, problem = written("--timeline", a.timeline, lambda: checkpoint.write_atomically(
-                a.timeline, lambda f: gantt([events[i] for events in step_events], f, title=title)))
-            self.failed += [problem] if problem else []
-            after += [] if problem else [f"timeline of step {first + i + 1} (the median by "
-                                         f"duration): {os.path.abspath(a.timeline)}"]
-        return [], after
-
-
-class HybridReport(Report):
-    def header(self):
-        a, grid, trainer = self.a, self.grid, self.trainer
-        buckets = trainer.update.sync and len(trainer.update.sync.buckets)
-        sync = "" if a.dp == 1 else ", dp ZeRO-1 (Reduce_scatter, Allgather)" if a.zero == 1 else (
-            f", dp ZeRO-2 (Reduce_scatter, Allgather) in {buckets} bucket(s)" if a.zero else
-            f", dp gradient sum in {buckets} bucket(s)") + (" overlapped" if a.overlap else "")
-        head = (f"hybrid: {a.model} with {self.n_params:,} parameters on {grid.world.size} "
-                f"ranks = dp {a.dp} x tp {a.tp} x pp {a.pp}, schedule {a.schedule}, "
-                f"{a.micro_batches} micro-batch(es) per replica{sync}; {self.training()} "
-                f"(rows per replica {trainer.rows}), {self.tail()}")
-        ranks = lambda s: [Grid.rank_of(d, s, t, (a.dp, a.tp, a.pp))  # noqa: E731
-                           for d in range(a.dp) for t in range(a.tp)]
-        names = layer_names(self.task)
-        total = max(sum(trainer.flops), 1)
-        return "\n".join([head] + [
-            f"  stage {s} (ranks {ranks(s)}): {', '.join(names[lo:hi]):<28} "
-            f"{sum(trainer.flops[lo:hi]) / total:4.0%} of the forward FLOPs"
-            for s, (lo, hi) in enumerate(trainer.bounds)])
-
-    def lines(self):
-        memory = self.grid.world.gather_obj(self.trainer.memory())
-        if memory is None:
-            return [], []
-        totals = [sum(m.values()) for m in memory]
-        return [], ["bytes per rank (parameters, gradients, optimizer state, peak activations): "
-                    f"max {max(totals):,}, min {min(totals):,}"]
-
-
-REPORTS = {"serial": Report, "data_parallel": DataParallelReport,
-           "tensor_parallel": TensorParallelReport, "pipeline": PipelineReport,
-           "hybrid": HybridReport}
-
-
-def formula_text(schedule, p, m, v):
-    """How the pipeline's bubble formula reads for this schedule (its value follows)."""
-    if schedule in SPLIT:
-        return "(p-1)/(3m+p-1)" if m >= p else "(2p-m-1)/(2m+2p-1)"
-    return "(p-1)/p" if schedule == "naive" else \
-        "(p-1)/(m+p-1)" if v == 1 else "(p-1)/(v*m+p-1)"
-
-
-def _fmt_bytes(n):
-    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+from mpipar.runner.cli import SCHEMES, check_model, parse_args
+from mpipar.runner.reports import REPORTS, Report, written
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -404,15 +231,6 @@ def finish(a, task, report, lines, params, loss):
             comm.log(f"saved parameters to {path}")
     if report.failed:  # every output that could be written is; then one line, code 1
         comm.refuse("; ".join(report.failed), code=1)
-
-
-def written(flag, path, write):
-    """``write()``, an atomic write of an output file: (what it returns, None), or (None, the
-    line that says why it failed: a full disk), any previous file whole."""
-    try:
-        return write(), None
-    except OSError as err:
-        return None, f"{flag} {path}: cannot write it ({err.strerror or err}); nothing was saved"
 
 
 if __name__ == "__main__":

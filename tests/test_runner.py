@@ -6,6 +6,7 @@ import pytest
 from conftest import run_mpi
 
 from mpipar import train
+from mpipar.runner import reports as R
 
 MLP = ["--model", "mlp", "--sizes", "64,16,10", "--batch-size", "16", "--quiet"]
 
@@ -39,15 +40,15 @@ def test_a_failed_save_leaves_the_previous_file_whole(tmp_path, monkeypatch):
 
 
 def test_a_long_pipeline_run_keeps_the_last_steps_only(capsys, monkeypatch):
-    monkeypatch.setattr(train, "WINDOW", 3)
+    monkeypatch.setattr(R, "WINDOW", 3)
     reports = []
-    original = train.PipelineReport.record
+    original = R.PipelineReport.record
 
     def record(self):
         original(self)
         reports.append(self)
 
-    monkeypatch.setattr(train.PipelineReport, "record", record)
+    monkeypatch.setattr(R.PipelineReport, "record", record)
     train.main("pipeline", [*MLP, "--steps", "10", "--timeline", "none"])
     out = capsys.readouterr().out
     assert "median over steps 8..10" in out, out
