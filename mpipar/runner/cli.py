@@ -1,10 +1,11 @@
 """The command line of every scheme: the flags, their defaults, and the refusals as data.
 
-Every trainer shares the flags of :func:`common_flags`; each scheme adds its own
-(:func:`scheme_flags`). Bad input is refused by two tables of (schemes, condition, message),
-checked in order on every rank: :data:`FLAG_RULES` on the flags alone, :data:`MODEL_RULES`
-once the model is known. The first rule that holds ends the job with one message (from world
-rank 0) and exit code 2 on every rank (:func:`mpipar.mpi.comm.refuse`), never a traceback.
+Every trainer shares the flags of :func:`mpipar.runner.flags.common_flags`; each scheme adds
+its own (:func:`mpipar.runner.flags.scheme_flags`). Bad input is refused by two tables of
+(schemes, condition, message), checked in order on every rank: :data:`FLAG_RULES` on the
+flags alone, :data:`MODEL_RULES` once the model is known. The first rule that holds ends the
+job with one message (from world rank 0) and exit code 2 on every rank
+(:func:`mpipar.mpi.comm.refuse`), never a traceback.
 """
 
 import argparse
@@ -16,154 +17,9 @@ from mpipar.engine import backend as B
 from mpipar.mpi import comm
 from mpipar.parts.plan import DEFAULTS, activation_bytes, memory_bytes, tp_size_problem
 from mpipar.parts.schedules import CHOICES, SCHEDULES, SPLIT
+from mpipar.runner.flags import PROGS, common_flags, scheme_flags
 
 SCHEMES = ("serial", "data_parallel", "tensor_parallel", "pipeline", "hybrid")
-DEFAULT_TIMELINE = "pipeline-timeline.png"
-
-
-# ----------------------------------------------------------------------------- flags
-def given(value):
-    """An argparse type for a path or a list: an empty string names nothing, so it is refused
-    (a run would otherwise finish and save nothing)."""
-    if not value.strip():
-        raise argparse.ArgumentTypeError("an empty value names nothing: give one, or leave "
-                                         "the flag out")
-    return value
-
-
-def common_flags(ap, scheme):
-    """The flags every trainer shares. Per-model defaults (steps, batch, lr, optimizer) are
-    filled in after parsing (:data:`mpipar.parts.plan.DEFAULTS`), so ``--help`` names them per
-    model."""
-    deep = scheme in ("pipeline", "hybrid")  # the GPT by default where stages need layers
-    g = ap.add_argument_group("training (shared by every scheme)")
-    g.add_argument("--model", choices=["mlp", "gpt"], default="gpt" if deep else "mlp",
-                   help="mlp: MLP on 8x8 digits; gpt: character-level GPT on text (default "
-                        f"{'gpt' if deep else 'mlp'})")
-    g.add_argument("--steps", type=int, help="optimizer steps (mlp 300, gpt 250)")
-    g.add_argument("--batch-size", type=int, help="global batch size (mlp 64, gpt 32)")
-    g.add_argument("--lr", type=float, help="learning rate (mlp 0.05, gpt 3e-3)")
-    g.add_argument("--optim", choices=["sgd", "adam", "adamw"], help="mlp: sgd, gpt: adam")
-    g.add_argument("--seed", type=int, default=0, help="seeds the weights and the batches")
-    g.add_argument("--dtype", choices=["float32", "float64"], default="float32",
-                   help="float64 for exact comparisons between schemes")
-    g.add_argument("--backend", choices=["numpy", "cupy"], default="numpy")
-    g.add_argument("--save-params", metavar="FILE.npz", type=given,
-                   help="write the trained parameters under their canonical names")
-    g.add_argument("--log-every", type=int, default=0, help="print the loss every N steps")
-    g.add_argument("--quiet", action="store_true", help="no progress bar")
-    g.add_argument("--clip-grad", type=float, metavar="X",
-                   help="scale the gradients to a global norm of at most X before each update")
-    g.add_argument("--recompute", nargs="?", const="full", choices=["full", "selective"],
-                   help="full: keep only each layer's (stage's) input, run its forward again in "
-                        "the backward; selective: only attention's softmax part (GPT)")
-    g.add_argument("--memory", action="store_true",
-                   help="after training, print every rank's bytes by kind, counted from its arrays")
-    c = ap.add_argument_group("checkpoints and failures")
-    c.add_argument("--checkpoint", metavar="DIR", type=given,
-                   help="write a checkpoint into DIR at the end (and every --checkpoint-every)")
-    c.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
-                   help="also write one every K steps (default 0: only at the end)")
-    c.add_argument("--keep", type=int, default=2, metavar="N",
-                   help="checkpoints kept in DIR (default 2)")
-    c.add_argument("--resume", metavar="DIR", type=given,
-                   help="continue from DIR's newest checkpoint, written by any scheme and layout")
-    c.add_argument("--timeout", type=float, default=600.0, metavar="S",
-                   help="end the job when a rank waits more than S seconds in one MPI call, "
-                        "naming the call (default 600; 0: never)")
-    if scheme != "serial":
-        g.add_argument("--explain", action="store_true",
-                       help="narrate the first step: each seed step and each MPI call, every rank")
-    m = ap.add_argument_group("model sizes and data")
-    m.add_argument("--data", choices=["digits", "synthetic"], default="digits",
-                   help="the MLP's data: the 8x8 digits (64 features, 10 classes), or synthetic "
-                        "rows of any width, classes from a fixed random teacher (default digits)")
-    m.add_argument("--samples", type=int, default=4096,
-                   help="rows of the synthetic data set (default 4096)")
-    m.add_argument("--sizes", type=lambda s: [int(v) for v in s.split(",")],
-                   default=[64, 128, 64, 10], help="MLP widths (default 64,128,64,10)")
-    m.add_argument("--d-model", type=int, default=64, help="GPT width (default 64)")
-    m.add_argument("--n-heads", type=int, default=4, help="GPT attention heads (default 4)")
-    m.add_argument("--n-layers", type=int, default=4 if scheme == "pipeline" else 2,
-                   help="GPT blocks (default " + ("4 here: about one per stage)"
-                                                  if scheme == "pipeline" else "2)"))
-    m.add_argument("--seq-len", type=int, default=32, help="GPT context length (default 32)")
-
-
-def bucket_flags(g):
-    g.add_argument("--bucket-mb", type=float, default=None,
-                   help="gradient buckets of about X MiB, reverse layer order (default: one "
-                        "bucket; 25 with --overlap, as PyTorch DDP)")
-    g.add_argument("--overlap", action="store_true",
-                   help="start each bucket's Iallreduce during the last backward")
-
-
-def sequence_flag(g):
-    g.add_argument("--sequence-parallel", action="store_true",
-                   help="GPT: also split the LayerNorm regions along the sequence over the tp "
-                        "ranks (reduce-scatter + allgather in place of each Allreduce)")
-
-
-def pipeline_flags(g, schedules, micro_help):
-    g.add_argument("--schedule", default="1f1b", metavar="{" + ",".join(schedules) + "}",
-                   help=f"{', '.join(schedules)} (default 1f1b)")
-    g.add_argument("--micro-batches", type=int, metavar="M", help=micro_help)
-    g.add_argument("--partition", metavar="N,N,...", type=given,
-                   help="layers per stage by hand, e.g. 2,1,1 (default: balance the FLOPs)")
-
-
-def scheme_flags(ap, scheme):
-    if scheme == "data_parallel":
-        g = ap.add_argument_group("data parallelism")
-        g.add_argument("--sync", default="master", choices=["master", "allreduce", "ring"],
-                       help="master: the seed's Reduce + Bcast through rank 0 (default); "
-                            "allreduce: MPI Allreduce; ring: a ring allreduce from Sendrecv")
-        bucket_flags(g)
-        g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
-                       help="shard over the ranks (ZeRO): 1 the optimizer state, 2 also the "
-                            "gradients (in --bucket-mb buckets, --overlap), 3 also the "
-                            "parameters, layer by layer (as FSDP; --overlap prefetches)")
-        g.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps")
-    elif scheme == "tensor_parallel":
-        ap.add_argument("--update", choices=["local", "master"], default="local",
-                        help="local: each rank updates its shards (Megatron); master: rank 0 "
-                             "gathers the gradients, updates, scatters the shards (the seed)")
-        sequence_flag(ap)
-    elif scheme == "pipeline":
-        g = ap.add_argument_group("pipeline")
-        pipeline_flags(g, CHOICES, "micro-batches per step (default 4)")
-        g.add_argument("--chunks", type=int, metavar="V",
-                       help="model chunks per rank for --schedule interleaved (default 2; the "
-                            "model is cut into P*V pieces)")
-        g.add_argument("--timeline", default=DEFAULT_TIMELINE, metavar="FILE.png", type=given,
-                       help="Gantt chart of a real step's trace, the median step by duration "
-                            f"(default {DEFAULT_TIMELINE}; 'none' for no chart)")
-        g.add_argument("--print-schedule", action="store_true",
-                       help="print every stage's instruction list and exit (no MPI ranks needed)")
-        g.add_argument("--stages", type=int, default=4,
-                       help="number of stages for --print-schedule (default 4)")
-    elif scheme == "hybrid":
-        g = ap.add_argument_group("the process grid")
-        g.add_argument("--dp", type=int, help="data-parallel replicas (default: N // (tp*pp))")
-        g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage (1)")
-        g.add_argument("--pp", type=int, default=1, help="pipeline stages (1)")
-        g.add_argument("--print-grid", action="store_true",
-                       help="print every rank's (dp, tp, pp) coordinate and groups, then exit")
-        sequence_flag(g)
-        pipeline_flags(ap.add_argument_group("pipeline"), list(SCHEDULES),
-                       "micro-batches per replica and step (default: 4, or fewer if a replica "
-                       "has fewer rows)")
-        bucket_flags(g := ap.add_argument_group("gradient sum over the data-parallel group"))
-        g.add_argument("--zero", type=int, default=0, choices=range(4),
-                       help="shard over dp (ZeRO): 1 the optimizer state, 2 also the gradients")
-
-
-PROGS = {"serial": "Train the reference model on one process.",  # each scheme's --help line
-         "data_parallel": "Train with P data-parallel replicas.",
-         "tensor_parallel": "Train with every large matrix split over P ranks.",
-         "pipeline": "Train across P pipeline stages (one per rank).",
-         "hybrid": "Train with data x tensor x pipeline parallelism on N = dp*tp*pp ranks."}
-
 
 # ----------------------------------------------------------------------------- refusals
 def layer_names(task):
