@@ -210,6 +210,15 @@ def test_a_rank_ended_by_a_signal_says_which_and_ends_the_job(mpirun, how, wait,
     assert "Traceback" not in proc.stderr and "BAD TERMINATION" not in proc.stdout
 
 
+def test_the_watchdog_never_reads_the_clock_after_mpi_finalize(mpirun):
+    """The watchdog looks every 0.1 ms here: without the lock between its looks and
+    MPI_Finalize, a look after the end failed the job with exit code 1 in 6 runs of 6."""
+    for _ in range(3):
+        proc = mpirun(4, [MPI_SCRIPTS / "exit_race.py"], timeout=60, check=False)
+        assert proc.returncode == 0 and proc.stdout.count(" done") == 4, proc.stderr
+        assert "Attempting to use an MPI routine" not in proc.stderr, proc.stderr
+
+
 STOPS = {  # moment of tests/mpi/stop_at.py: the call the others' watchdogs name
     "paths": "Split_type on world: all ranks",  # rank 0's verdict went out eagerly: it waits next
     "machine": "Split_type on world: all ranks  (which ranks share this machine)",

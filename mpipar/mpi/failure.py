@@ -49,6 +49,7 @@ ABORT_GRACE = 1.0  # seconds between a failing rank's message and MPI_Abort
 INTERRUPT_WAIT = 2.0  # seconds more the other ranks wait for rank 0 to end an interrupted job
 HUNG = 124  # exit code of a job ended by the watchdog (coreutils' timeout uses it too)
 RECENT = 16  # calls the flight recorder keeps
+LOOK_S = 0.5  # seconds between two looks of the watchdog
 ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # a rank ended by one of these says so
 
 
@@ -77,12 +78,13 @@ class Flight:
 FLIGHT = Flight()
 _ending = threading.Lock()  # taken by whoever ends this process (exception, Ctrl-C, watchdog)
 _started = set()  # the threads started so far ("interrupts", "watchdog")
+_looking = threading.Lock()  # held by a look of the watchdog, and by MPI_Finalize
 
 
 def _write(lines):
     """Write lines prefixed by the world rank with one unbuffered write (they stay together,
     and nothing waits in a Python buffer when the process ends)."""
-    rank = MPI.COMM_WORLD.Get_rank()
+    rank = "?" if MPI.Is_finalized() else MPI.COMM_WORLD.Get_rank()  # a signal after the end
     os.write(2, "".join(f"[rank {rank}] {line}\n" for line in lines).encode())
 
 
@@ -109,7 +111,8 @@ def abort(code):
 
     With MPICH's launcher, MPI_Abort returns (the kill comes a moment later): exit at once, so
     that nothing more of this rank runs (a traceback, MPI_Finalize) meanwhile."""
-    MPI.COMM_WORLD.Abort(code)
+    if not MPI.Is_finalized():  # after MPI_Finalize (a signal at the very end) only exit
+        MPI.COMM_WORLD.Abort(code)
     os._exit(code)
 
 
@@ -227,13 +230,16 @@ def _finalize():
         with watched("Barrier", "all ranks", "the end of the job, before MPI_Finalize"):
             while not request.Test():
                 time.sleep(1e-3)
-        MPI.Finalize()
+        with _looking:  # not while the watchdog reads MPI's clock: it stops at its next look
+            MPI.Finalize()
 
 
 def start_watchdog(seconds):
     """End the job when this rank waits longer than ``seconds`` inside one MPI call.
 
-    A daemon thread wakes twice a second and looks at :data:`FLIGHT`. ``seconds`` None or
+    A daemon thread wakes every ``LOOK_S`` seconds and looks at :data:`FLIGHT`; a look and
+    MPI_Finalize never overlap (once MPI is finalized, even its clock may not be read, and the
+    thread ends at its next look). ``seconds`` None or
     <= 0: no watchdog. mpi4py initialises MPI with MPI_THREAD_MULTIPLE, so the thread may call
     MPI_Abort while the main thread is inside MPI."""
     if seconds is None or seconds <= 0:
@@ -250,13 +256,16 @@ def start_watchdog(seconds):
     def watch():
         seen, since = None, 0.0  # the call last seen, and since when it waits
         while True:
-            time.sleep(min(0.5, FLIGHT.timeout / 4))
-            waiting = FLIGHT.waiting
-            if waiting is not seen:  # another call (each is a new tuple, and seen keeps the last)
-                seen = waiting
-                since = MPI.Wtime() if waiting is None or waiting[0] is None else waiting[0]
-            if waiting is not None and MPI.Wtime() - since > FLIGHT.timeout:
-                _hung(waiting, since, FLIGHT.timeout)
+            time.sleep(min(LOOK_S, FLIGHT.timeout / 4))
+            with _looking:
+                if MPI.Is_finalized():  # the job has ended: no MPI call is allowed any more
+                    return
+                waiting = FLIGHT.waiting
+                if waiting is not seen:  # another call (a new tuple each; seen keeps the last)
+                    seen = waiting
+                    since = MPI.Wtime() if waiting is None or waiting[0] is None else waiting[0]
+                if waiting is not None and MPI.Wtime() - since > FLIGHT.timeout:
+                    _hung(waiting, since, FLIGHT.timeout)
 
     threading.Thread(target=watch, name="mpipar-watchdog", daemon=True).start()
 
