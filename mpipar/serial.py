@@ -2,6 +2,7 @@
 
     python -m mpipar.serial --model mlp            # digits, reaches >= 95% test accuracy
     python -m mpipar.serial --model gpt            # character-level GPT on Python's docs
+    python -m mpipar.serial --model gpt --experts 4 --top-k 2   # a mixture of experts a block
 
 Every parallel scheme must reproduce this trainer's parameters. :class:`Task` binds a model,
 its data and its loss so each scheme builds exactly the same thing; :func:`train_step` is one
@@ -13,7 +14,7 @@ This module does not import MPI: the reference needs one process and nothing els
 import numpy as np
 
 from mpipar.engine import backend as B
-from mpipar.engine import data, nn, optim
+from mpipar.engine import data, moe, nn, optim
 from mpipar.runner.trainer import Trainer
 
 
@@ -38,6 +39,9 @@ class Task:
         a = self.args
         if self.kind == "mlp":
             return nn.MLP(a.sizes)
+        if getattr(a, "experts", 0):
+            return moe.gpt(self.data.vocab, a.d_model, a.n_heads, a.n_layers, a.seq_len,
+                           a.experts, a.top_k, a.aux_loss_coef)
         return nn.GPT(self.data.vocab, a.d_model, a.n_heads, a.n_layers, a.seq_len)
 
     def model_with(self, params):
@@ -86,6 +90,7 @@ def train_step(model, loss_fn, opt, x, y):
     opt.zero_grad()
     logits = model.forward(x)
     loss = loss_fn.forward(logits, y, normalizer=y.size)  # mean over every target
+    loss += moe.aux_loss(model)  # mixture-of-experts layers' load balancing (0 without them)
     model.backward(loss_fn.backward())
     opt.step()
     return loss

@@ -277,3 +277,65 @@ def test_a_zeroed_gradient_reads_as_zeros():
         emb.forward(np.array([[1, 1, 3]]))
         emb.backward(np.ones((1, 3, 3)))
     np.testing.assert_array_equal(emb.W.grad, np.array([0, 2, 0, 1, 0])[:, None] * np.ones(3))
+
+
+# ----------------------------------------------------------------------------- mixture of experts
+def moe_gradcheck(module, x, name, tol=1e-6):
+    """As :func:`gradcheck`, with the layer's load-balancing loss in L: sum(out * dout) + aux."""
+    module.init(seed=1)
+    for p in module.parameters():
+        p.data += RNG.normal(0, 0.3, p.data.shape)  # a router far from uniform: real top-k
+    dout = RNG.standard_normal(x.shape)
+
+    def loss():
+        out = module.forward(x, micro_id=7)
+        for m in module.modules():
+            m._cache.pop(7, None)
+        return float((out * dout).sum()) + module.aux
+
+    module.zero_grad()
+    module.forward(x, micro_id=3)
+    dx = module.backward(dout, micro_id=3)
+    assert not any(m._cache for m in module.modules()), name
+    for label, arr, grad in [("input", x, dx)] + [(n, p.data, p.grad)
+                                                  for n, p in module.named_parameters()]:
+        for idx in sample(arr.shape, k=6):
+            num = numeric_grad(loss, arr, idx)
+            err = abs(num - grad[idx]) / max(1.0, abs(num), abs(grad[idx]))
+            assert err < tol, (f"{name}: d{label}{[int(i) for i in idx]}: backward "
+                               f"{grad[idx]:.8g}, finite differences {num:.8g}")
+
+
+@pytest.mark.parametrize("experts,k,coef", [(4, 2, 0.5), (4, 1, 0.0), (3, 3, 1.0)])
+def test_moe_gradients(experts, k, coef):
+    from mpipar.engine import moe
+
+    moe_gradcheck(moe.MoE(8, experts, k, coef), RNG.standard_normal((2, 5, 8)),
+                  f"MoE E={experts} k={k} coef={coef}")
+
+
+def test_moe_routes_each_token_to_its_top_k_with_ties_to_the_lower_expert():
+    """A router of zeros gives every expert the same probability 1/E: every token goes to
+    experts 0..k-1, the output is (1/E) * sum of those experts, and aux = coef * E * sum f P
+    with f = (1/k for the first k experts), P = 1/E each: coef exactly."""
+    from mpipar.engine import moe
+
+    layer = moe.MoE(8, 4, 2, 0.25).init(seed=1)
+    layer.router.W.data[:] = 0
+    x = RNG.standard_normal((3, 4, 8))
+    out = layer.forward(x)
+    h = x.reshape(-1, 8)
+    want = sum(layer.experts.layers[e][1].forward(h, micro_id=9) for e in (0, 1)) / 4
+    np.testing.assert_allclose(out.reshape(-1, 8), want, rtol=1e-12, atol=0)
+    assert layer.tokens_per_expert.tolist() == [12, 12, 0, 0]
+    assert layer.aux == pytest.approx(0.25, rel=1e-15)
+
+
+def test_moe_gpt_names_every_expert():
+    from mpipar.engine import moe
+
+    names = [n for n, _ in moe.gpt(11, 8, 2, 2, 5, 3, 2, 0.01).named_parameters()]
+    assert "blocks.1.mlp.router.W" in names and "blocks.1.mlp.router.b" not in names
+    assert [n for n in names if n.startswith("blocks.0.mlp.experts.2.")] == [
+        f"blocks.0.mlp.experts.2.{p}" for p in ("fc.W", "fc.b", "proj.W", "proj.b")]
+    assert not any(".mlp.fc." in n for n in names)  # no dense feed-forward left

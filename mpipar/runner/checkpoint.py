@@ -146,6 +146,8 @@ def model_config(a):
     """What must match for a checkpoint to continue this run exactly."""
     shape = {"sizes": a.sizes, "data": a.data, "samples": a.samples} if a.model == "mlp" else \
         {k: getattr(a, k) for k in ("d_model", "n_heads", "n_layers", "seq_len")}
+    if a.model == "gpt" and a.experts:  # a dense GPT's manifest stays as it was
+        shape.update(experts=a.experts, top_k=a.top_k, aux_loss_coef=a.aux_loss_coef)
     return dict(model=a.model, **shape, dtype=a.dtype, optim=a.optim, seed=a.seed,
                 batch_size=a.batch_size)
 
@@ -316,7 +318,7 @@ def inspect(path, a):
         return None, f"--resume {where}: the manifest is not a checkpoint's ({problem})"
     config, step = manifest["config"], manifest["step"]
     want = model_config(a)
-    differ = [f"{k} {config.get(k)} (this run: {want.get(k)})" for k in sorted(want)
+    differ = [f"{k} {config.get(k)} (this run: {want.get(k)})" for k in sorted({*want, *config})
               if config.get(k) != want.get(k)]
     if manifest.get("format") != FORMAT or differ:
         return None, (f"--resume {where}: the checkpoint does not fit this run: "

@@ -66,6 +66,15 @@ FLAG_RULES = [
     (ALL, lambda a: a.model == "gpt" and min(a.d_model, a.n_heads, a.n_layers, a.seq_len) < 1,
      "--d-model, --n-heads, --n-layers and --seq-len must be positive, got {a.d_model}, "
      "{a.n_heads}, {a.n_layers}, {a.seq_len}"),
+    (ALL, lambda a: a.experts < 0 or (a.experts and a.model != "gpt"),
+     "--experts {a.experts}: a mixture of experts replaces the GPT's feed-forwards (--model gpt), "
+     "with E of 1 or more (0: none)"),
+    (ALL, lambda a: a.experts and not 1 <= a.top_k <= a.experts,
+     "--top-k {a.top_k} of --experts {a.experts}: each token goes to between 1 and E experts"),
+    (ALL, lambda a: a.experts and not 0 <= a.aux_loss_coef < math.inf,
+     "--aux-loss-coef must be 0 or more and finite, got {a.aux_loss_coef}"),
+    (ALL[1:], lambda a: a.experts,
+     "--experts trains on the serial trainer only so far: run python -m mpipar.serial"),
     (ALL, lambda a: activation_bytes(a) > memory_bytes(),
      "--batch-size {a.batch_size} would need about {a.need_gib:.1f} GiB of activations in one "
      "step, more than this machine's {a.have_gib:.1f} GiB: use a smaller batch or model"),

@@ -80,6 +80,13 @@ def common_flags(ap, scheme):
                    help="GPT blocks (default " + ("4 here: about one per stage)"
                                                   if scheme == "pipeline" else "2)"))
     m.add_argument("--seq-len", type=int, default=32, help="GPT context length (default 32)")
+    m.add_argument("--experts", type=int, default=0, metavar="E",
+                   help="GPT: a mixture of E expert feed-forwards in every block, top-k routed "
+                        "(default 0: one dense feed-forward; the serial trainer so far)")
+    m.add_argument("--top-k", type=int, default=2, metavar="K",
+                   help="experts per token with --experts (default 2)")
+    m.add_argument("--aux-loss-coef", type=float, default=0.01, metavar="X",
+                   help="weight of the load-balancing loss with --experts (default 0.01)")
 
 
 def bucket_flags(g):

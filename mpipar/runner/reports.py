@@ -46,11 +46,26 @@ class Report:
 
     def header(self):
         a = self.a
-        return f"{a.scheme}: {a.model} with {self.n_params:,} parameters, {self.training()}, " \
-               f"{self.tail()}"
+        experts = (f" ({a.experts} experts a block, top-{a.top_k}, aux loss coefficient "
+                   f"{a.aux_loss_coef:g})" if a.model == "gpt" and a.experts else "")
+        return f"{a.scheme}: {a.model} with {self.n_params:,} parameters{experts}, " \
+               f"{self.training()}, {self.tail()}"
 
     def lines(self):
-        return [], []
+        return [], expert_lines(getattr(self.trainer, "model", None))
+
+
+def expert_lines(model):
+    """The routing of the last training step, per MoE layer: tokens per expert (a token counts
+    once for each of its k experts) and the load imbalance, the busiest expert's over the
+    mean."""
+    lines = []
+    for name, layer in getattr(model, "layers", []):
+        counts = getattr(getattr(layer, "mlp", None), "tokens_per_expert", None)
+        if counts is not None:
+            lines.append(f"{name}: tokens per expert {B.to_numpy(counts).tolist()}, max / mean "
+                         f"{counts.max() / counts.mean():.2f}")
+    return ["routing of the last step:"] + lines if lines else []
 
 
 class DataParallelReport(Report):
