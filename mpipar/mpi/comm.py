@@ -39,6 +39,7 @@ from mpi4py import MPI
 
 from mpipar.engine import backend as B
 from mpipar.mpi import explain, waiting
+from mpipar.mpi.checks import check_array, check_count, check_rows, truncated
 from mpipar.mpi.failure import FLIGHT, install_excepthook, refuse, start_watchdog  # noqa: F401
 from mpipar.mpi.failure import env_choice as _env
 from mpipar.mpi.metadata import PickledCalls
@@ -80,46 +81,6 @@ def wait(request, status=None, call=("", "MPI request", "", "")):
 
 
 # ----------------------------------------------------------------------------- checks
-def check_array(a, shape=None, dtype=None, what="array"):
-    """Refuse what MPI would silently get wrong: a non-contiguous view, a wrong shape/dtype."""
-    if not isinstance(a, (np.ndarray, B.xp.ndarray)):
-        raise TypeError(f"{what}: expected an array, got {type(a).__name__}")
-    if not a.flags.c_contiguous:
-        raise ValueError(f"{what}: refusing a non-contiguous array of shape {a.shape} (a "
-                         "transposed view or a strided slice?); MPI would read its memory in the "
-                         "wrong order. Pass np.ascontiguousarray(a).")
-    if shape is not None and tuple(a.shape) != tuple(shape):
-        raise ValueError(f"{what}: shape {tuple(a.shape)}, expected {tuple(shape)}")
-    if dtype is not None and a.dtype != np.dtype(dtype):
-        raise ValueError(f"{what}: dtype {a.dtype}, expected {np.dtype(dtype)}")
-
-
-def _check_count(status, buf, source, op="Recv"):
-    count = status.Get_count(MPI.BYTE)
-    if count != buf.nbytes:
-        raise ValueError(f"{op} from {source}: got {count} bytes, buffer of shape "
-                         f"{buf.shape} {buf.dtype} expects {buf.nbytes}")
-
-
-def _check_rows(op, whose, a, rows, like=None):
-    """A gather or scatter with counts moves exactly ``rows`` rows of ``a`` (of ``like``'s row
-    shape and dtype): MPI itself would fill a longer buffer only in part, silently."""
-    if a.shape[0] != rows:
-        raise ValueError(f"{op}: {whose} has {a.shape[0]} rows, the counts say {rows}")
-    if like is not None and (a.shape[1:], a.dtype) != (like.shape[1:], like.dtype):
-        raise ValueError(f"{op}: {whose} has rows of shape {a.shape[1:]} {a.dtype}, the other "
-                         f"side's are {like.shape[1:]} {like.dtype}")
-
-
-def _truncated(err, op, source, nbytes):
-    """MPI's error for a message longer than its buffer, as one line naming both sizes (MPI
-    tells only that it was longer); any other MPI error as it came."""
-    if err.Get_error_class() != MPI.ERR_TRUNCATE:
-        return err
-    return ValueError(f"{op} from {source}: got a message longer than the {nbytes} bytes its "
-                      "buffer expects")
-
-
 # "-> rank 3", formatted once per rank: an f-string per call costs a tenth of an 8-byte message
 TO, FROM = lru_cache(None)("-> rank {}".format), lru_cache(None)("<- rank {}".format)
 
@@ -141,7 +102,7 @@ class Request:
             try:
                 self.complete = self.mpi_request.Test(self.status)
             except MPI.Exception as err:
-                raise _truncated(err, self.op, self.source, self.nbytes) from None
+                raise truncated(err, self.op, self.source, self.nbytes) from None
         return self.complete
 
     def wait(self):
@@ -151,7 +112,7 @@ class Request:
                     wait(self.mpi_request, self.status,
                          (self.comm.name, self.op, self.detail, self.what))
                 except MPI.Exception as err:
-                    raise _truncated(err, self.op, self.source, self.nbytes) from None
+                    raise truncated(err, self.op, self.source, self.nbytes) from None
                 self.complete = True
             if self.finish is not None:
                 self.finish(self.status)
@@ -256,7 +217,7 @@ class Comm(PickledCalls):
         host, dev = B.host_out(buf)
 
         def finish(status):
-            _check_count(status, buf, source)
+            check_count(status, buf, source)
             B.copy_back(host, dev)
 
         self._count("Recv", recv=buf.nbytes)
@@ -282,8 +243,8 @@ class Comm(PickledCalls):
         try:
             wait(rreq, status, call)
         except MPI.Exception as err:
-            raise _truncated(err, "Sendrecv", source, recvbuf.nbytes) from None
-        _check_count(status, recvbuf, source, "Sendrecv")  # a short message is an error
+            raise truncated(err, "Sendrecv", source, recvbuf.nbytes) from None
+        check_count(status, recvbuf, source, "Sendrecv")  # a short message is an error
         B.copy_back(host_in, dev)
         self._record("Sendrecv", detail, sendbuf.nbytes, t0, what)
 
@@ -364,13 +325,13 @@ class Comm(PickledCalls):
         """Root splits sendbuf along axis 0 into ``counts[r]`` rows for rank r."""
         check_array(recvbuf, what="Scatterv result")
         row = int(np.prod(recvbuf.shape[1:]))
-        _check_rows("Scatterv", f"rank {self.rank}'s buffer", recvbuf, counts[self.rank])
+        check_rows("Scatterv", f"rank {self.rank}'s buffer", recvbuf, counts[self.rank])
         t0, is_root = _now(), self.rank == root
         elems = [c * row for c in counts]
         send = None
         if is_root:
             check_array(sendbuf, what="Scatterv")
-            _check_rows("Scatterv", f"root {root}'s array", sendbuf, sum(counts), recvbuf)
+            check_rows("Scatterv", f"root {root}'s array", sendbuf, sum(counts), recvbuf)
             send = [B.host(sendbuf), (elems, offsets(elems)), MPI._typedict[sendbuf.dtype.char]]
         host_out, dev = B.host_out(recvbuf)
         self._count("Scatterv", sent=(sendbuf.nbytes - recvbuf.nbytes) if is_root else 0,
@@ -382,14 +343,14 @@ class Comm(PickledCalls):
     def Gatherv(self, sendbuf, counts, recvbuf, root=0, what=""):
         """Root collects ``counts[r]`` rows from rank r into recvbuf, in rank order."""
         check_array(sendbuf, what="Gatherv")
-        _check_rows("Gatherv", f"rank {self.rank}'s array", sendbuf, counts[self.rank])
+        check_rows("Gatherv", f"rank {self.rank}'s array", sendbuf, counts[self.rank])
         row = int(np.prod(sendbuf.shape[1:]))
         t0, is_root = _now(), self.rank == root
         elems = [c * row for c in counts]
         recv, host_out, dev = None, None, None
         if is_root:
             check_array(recvbuf, what="Gatherv result")
-            _check_rows("Gatherv", f"root {root}'s buffer", recvbuf, sum(counts), sendbuf)
+            check_rows("Gatherv", f"root {root}'s buffer", recvbuf, sum(counts), sendbuf)
             host_out, dev = B.host_out(recvbuf)
             recv = [host_out, (elems, offsets(elems)), MPI._typedict[recvbuf.dtype.char]]
         self._count("Gatherv", sent=0 if is_root else sendbuf.nbytes,
@@ -397,6 +358,43 @@ class Comm(PickledCalls):
         req = self.mpi.Igatherv(B.host(sendbuf), recv, root=root)
         self._blocking(req, "Gatherv", f"all -> root {root}", sendbuf.nbytes, t0, what,
                        host_out, dev)
+
+    def Alltoall(self, sendbuf, recvbuf, what=""):
+        """Block d of ``sendbuf`` (its axis 0 cut into ``size`` equal blocks) goes to rank d;
+        block s of ``recvbuf`` comes from rank s. This rank's own block is copied, not sent."""
+        check_array(sendbuf, what="Alltoall")
+        if sendbuf.shape[0] % self.size:
+            raise ValueError(f"Alltoall: {sendbuf.shape[0]} rows do not split into "
+                             f"{self.size} equal blocks")
+        check_array(recvbuf, sendbuf.shape, sendbuf.dtype, what="Alltoall result")
+        t0, own = _now(), sendbuf.nbytes // self.size
+        host_out, dev = B.host_out(recvbuf)
+        self._count("Alltoall", sent=sendbuf.nbytes - own, recv=recvbuf.nbytes - own)
+        req = self.mpi.Ialltoall(B.host(sendbuf), host_out)
+        self._blocking(req, "Alltoall", f"all <-> all ({self.size})", sendbuf.nbytes, t0,
+                       what, host_out, dev)
+
+    def Alltoallv(self, sendbuf, send_rows, recvbuf, recv_rows, what=""):
+        """Rows ``send_rows[d]`` of ``sendbuf`` (consecutive, in rank order) go to rank d; the
+        ``recv_rows[s]`` rows from rank s land in ``recvbuf`` in rank order. Each side names
+        its own counts: rank d's ``recv_rows[r]`` must be rank r's ``send_rows[d]`` (an
+        Alltoall of the counts makes sure), or MPI truncates or leaves rows unwritten."""
+        check_array(sendbuf, what="Alltoallv")
+        check_array(recvbuf, what="Alltoallv result")
+        check_rows("Alltoallv", f"rank {self.rank}'s array", sendbuf, sum(send_rows))
+        check_rows("Alltoallv", f"rank {self.rank}'s buffer", recvbuf, sum(recv_rows), sendbuf)
+        row = int(np.prod(sendbuf.shape[1:]))
+        mpi_type = MPI._typedict[sendbuf.dtype.char]
+        out_elems, in_elems = [c * row for c in send_rows], [c * row for c in recv_rows]
+        t0, me = _now(), self.rank
+        host_out, dev = B.host_out(recvbuf)
+        per_row = row * sendbuf.dtype.itemsize
+        self._count("Alltoallv", sent=(sum(send_rows) - send_rows[me]) * per_row,
+                    recv=(sum(recv_rows) - recv_rows[me]) * per_row)
+        req = self.mpi.Ialltoallv([B.host(sendbuf), (out_elems, offsets(out_elems)), mpi_type],
+                                  [host_out, (in_elems, offsets(in_elems)), mpi_type])
+        self._blocking(req, "Alltoallv", f"rows out {list(send_rows)}, in {list(recv_rows)}",
+                       sendbuf.nbytes, t0, what, host_out, dev)
 
 
 def narrate(text):

@@ -8,7 +8,7 @@ rank gets the reference :class:`mpipar.mpi.comm.Comm`.
 import numpy as np
 from mpi4py import MPI
 
-from mpipar.mpi import comm
+from mpipar.mpi import checks, comm
 from mpipar.mpi.failure import FLIGHT
 from mpipar.mpi.trace import TRACE
 
@@ -55,7 +55,7 @@ class DirectComm(comm.Comm):
         try:  # when read (failure._call)
             self._send(buf, dest, tag)
         except BufferError:
-            comm.check_array(buf, what=f"Send to {dest}")
+            checks.check_array(buf, what=f"Send to {dest}")
             raise
         finally:
             FLIGHT.waiting = None
@@ -76,14 +76,14 @@ class DirectComm(comm.Comm):
             self._recv(buf, source, tag, status)
         except BufferError:
             self._recvs, self._received = self._recvs - 1, self._received - n  # not received
-            comm.check_array(buf, what=f"Recv from {source}")
+            checks.check_array(buf, what=f"Recv from {source}")
             raise
         except MPI.Exception as err:
-            raise comm._truncated(err, "Recv", source, n) from None
+            raise checks.truncated(err, "Recv", source, n) from None
         finally:
             FLIGHT.waiting = None
         if status.Get_count(BYTE) != n:
-            comm._check_count(status, buf, source)  # raises, saying what came
+            checks.check_count(status, buf, source)  # raises, saying what came
         FLIGHT.recent.append(call)
         return status
 
