@@ -90,7 +90,7 @@ def train_step(model, loss_fn, opt, x, y):
     opt.zero_grad()
     logits = model.forward(x)
     loss = loss_fn.forward(logits, y, normalizer=y.size)  # mean over every target
-    loss += moe.aux_loss(model)  # mixture-of-experts layers' load balancing (0 without them)
+    loss += moe.balance(model)  # the MoE layers' load balancing over the batch (0 without)
     model.backward(loss_fn.backward())
     opt.step()
     return loss

@@ -105,6 +105,9 @@ def trainer_class(scheme, a):
     if scheme == "pipeline":
         from mpipar import pipeline as P
         return P.Pipeline
+    if scheme == "expert_parallel":
+        from mpipar import expert_parallel as E
+        return E.ExpertParallel
     from mpipar import hybrid as H
     return H.Hybrid
 
@@ -180,6 +183,9 @@ def main(scheme, argv=None, trainer_cls=None):
     if scheme == "hybrid":  # its Step 1 is carving the grid, so the scheme file does it
         from mpipar.hybrid import make_grid
         grid = make_grid(a.dp, a.tp, a.pp)
+    elif scheme == "expert_parallel":  # its Step 1 too: the ep and expert-replica groups
+        from mpipar.expert_parallel import make_grid
+        grid = make_grid(a.ep)
     else:
         grid = None if scheme == "serial" else Grid(a.dp, a.tp, a.pp)
     if scheme == "hybrid" and a.print_grid:

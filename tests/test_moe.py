@@ -27,7 +27,7 @@ def test_the_serial_moe_gpt_trains_and_reports_its_aux_loss():
     assert len(layers) == 2 and all(m.tokens_per_expert.sum() == 2 * 8 * 8 for m in layers)
     x, y = t.task.to_device(*t.task.batch(40))
     ce = t.loss_fn.forward(t.model.forward(x), y, normalizer=y.size)
-    aux = moe.aux_loss(t.model)
+    aux = moe.balance(t.model)
     assert aux == sum(m.aux for m in layers) and 2 * 0.5 <= aux < 2 * 0.5 * 4
     assert t.step(40) == ce + aux  # the step's loss is the cross-entropy plus the aux losses
 
@@ -36,7 +36,7 @@ def test_without_aux_loss_only_the_cross_entropy_is_trained():
     t, _ = trainer(["--steps", "3", "--aux-loss-coef", "0"])
     x, y = t.task.to_device(*t.task.batch(0))
     ce = t.loss_fn.forward(t.model.forward(x), y, normalizer=y.size)
-    assert moe.aux_loss(t.model) == 0.0 and t.step(0) == ce
+    assert moe.balance(t.model) == 0.0 and t.step(0) == ce
 
 
 def test_a_checkpoint_of_the_moe_gpt_resumes_to_the_same_parameters(tmp_path):

@@ -23,8 +23,11 @@ over the N tokens of the batch: f_e = (tokens routed to e) / (k N), the share of
 (token, expert) pairs that e got, and P_e = the mean of p_e over the tokens. Balanced routing
 (f_e = P_e = 1/E) gives aux = coef. f is a count: constant between two routing changes, so
 its derivative is zero and d aux / d p_e = coef * E * f_e / N for every token; finite
-differences agree. The batch is the global batch: f and P are over every token of the step,
-which :class:`MoE` sees at once in the serial trainer.
+differences agree. The batch is the global batch: f and P are over every token of the step.
+So a forward only records its routing (per micro-batch), and :func:`balance`, called after the
+step's last forward and before its first backward, adds the records up (over the ranks too,
+in :mod:`mpipar.expert_parallel`) into aux and f: the serial trainer calls it after its one
+forward. Computing aux per micro-batch, or per rank, would give another (wrong) loss.
 
 Parameters are named ``blocks.L.mlp.router.W`` and ``blocks.L.mlp.experts.e.fc.W`` (and
 ``.b``, ``.proj.W``, ``.proj.b``), so each expert starts from its own seeded values.
@@ -35,52 +38,84 @@ from mpipar.engine import nn
 
 
 class MoE(nn.SplitBackward):
-    """Router, top-k and E experts over the rows of x (B, T, C) -> (B, T, C); after each
-    forward, ``aux`` holds this layer's load-balancing loss and ``tokens_per_expert`` its
-    routing counts."""
+    """Router, top-k and the experts over the rows of x (B, T, C) -> (B, T, C).
 
-    def __init__(self, d_model, n_experts, top_k, aux_coef):
+    ``held``: the expert indices this layer holds (all E, serially; a rank's share in
+    :mod:`mpipar.expert_parallel`, which changes :meth:`run_experts` and
+    :meth:`experts_backward` only). After the forwards of a step, :func:`balance` turns their
+    routing counts into ``aux``, this layer's load-balancing loss, and ``tokens_per_expert``."""
+
+    def __init__(self, d_model, n_experts, top_k, aux_coef, held=None):
         super().__init__()
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"top-k {top_k} of {n_experts} experts: need 1 <= k <= E")
         self.router = nn.Linear(d_model, n_experts, bias=False, std=0.02)
-        self.experts = nn.Sequential([(str(e), nn.FeedForward(d_model))
-                                      for e in range(n_experts)])
-        self.k, self.coef = top_k, aux_coef
+        held = range(n_experts) if held is None else held
+        self.experts = nn.Sequential([(str(e), nn.FeedForward(d_model)) for e in held])
+        self.n_experts, self.k, self.coef = n_experts, top_k, aux_coef
         self.aux, self.tokens_per_expert = 0.0, None
+        self.seen = {}  # micro_id -> [routing counts (E), sum of p (E), tokens] of its forward
+        self.f = self.n_tokens = None  # the step's shares f_e and its token count, by balance
+
+    def held(self):
+        """(expert index, expert) of the experts this layer holds."""
+        return [(int(name), expert) for name, expert in self.experts.layers]
 
     def forward(self, x, micro_id=0):
         h = x.reshape(-1, x.shape[-1])  # (N, C): every token a row
-        n, n_experts = h.shape[0], len(self.experts.layers)
         logits = self.router.forward(h, micro_id)
         p = B.xp.exp(logits - logits.max(axis=1, keepdims=True))
         p /= p.sum(axis=1, keepdims=True)
         chosen = B.xp.argsort(-p, axis=1, kind="stable")[:, :self.k]  # (N, k): ties to lower e
-        out, routed = B.xp.zeros_like(h), []
-        for e, (_, expert) in enumerate(self.experts.layers):
-            rows = B.xp.nonzero(chosen == e)[0]  # the tokens sent to e, each at most once
-            y = expert.forward(h[rows], micro_id)
-            out[rows] += p[rows, e:e + 1] * y
-            routed.append((rows, y))
-        counts = B.xp.bincount(chosen.ravel(), minlength=n_experts)
-        f = counts / (self.k * n)
-        self.aux = float(self.coef * n_experts * (f * p.mean(axis=0)).sum())
-        self.tokens_per_expert = counts
-        self.save(micro_id, p, f, routed)
+        rows = [B.xp.nonzero(chosen == e)[0] for e in range(self.n_experts)]  # each token once
+        out, state = self.run_experts(h, p, rows, micro_id)
+        counts = B.xp.asarray([len(r) for r in rows], dtype=p.dtype)
+        self.seen[micro_id] = B.xp.concatenate([counts, p.sum(axis=0),
+                                                B.xp.asarray([h.shape[0]], dtype=p.dtype)])
+        self.save(micro_id, p, state)
         return out.reshape(x.shape)
 
-    def backward_input(self, dout, micro_id=0):
-        p, f, routed = self.saved(micro_id)
-        d = dout.reshape(-1, dout.shape[-1])
-        n, n_experts = p.shape
+    def run_experts(self, h, p, rows, micro_id):
+        """sum over the chosen experts e of p_e * expert_e(x), for every row of h; ``rows[e]``:
+        the rows routed to e. Returns it and what :meth:`experts_backward` needs."""
+        out, ys = B.xp.zeros_like(h), {}
+        for e, expert in self.held():
+            ys[e] = expert.forward(h[rows[e]], micro_id)
+            out[rows[e]] += p[rows[e], e:e + 1] * ys[e]
+        return out, (rows, ys)
+
+    def experts_backward(self, d, p, state, micro_id):
+        """(d h, d p) through the experts, from d out (N, C)."""
+        rows, ys = state
         dh, dp = B.xp.zeros_like(d), B.xp.zeros_like(p)
-        for e, ((_, expert), (rows, y)) in enumerate(zip(self.experts.layers, routed)):
-            dp[rows, e] = (d[rows] * y).sum(axis=1)  # d out / d p_e = expert_e(x)
-            dh[rows] += expert.backward_input(p[rows, e:e + 1] * d[rows], micro_id)
-        dp += self.coef * n_experts * f / n  # the load-balancing loss, through P_e
+        for e, expert in self.held():
+            dp[rows[e], e] = (d[rows[e]] * ys[e]).sum(axis=1)  # d out / d p_e = expert_e(x)
+            dh[rows[e]] += expert.backward_input(p[rows[e], e:e + 1] * d[rows[e]], micro_id)
+        return dh, dp
+
+    def backward_input(self, dout, micro_id=0):
+        p, state = self.saved(micro_id)
+        d = dout.reshape(-1, dout.shape[-1])
+        dh, dp = self.experts_backward(d, p, state, micro_id)
+        dp += self.coef * self.n_experts * self.f / self.n_tokens  # the aux loss, through P_e
         dlogits = p * (dp - (dp * p).sum(axis=1, keepdims=True))  # softmax's backward
         dh += self.router.backward_input(dlogits, micro_id)
         return dh.reshape(dout.shape)
+
+    def settle(self, add=None):
+        """The load-balancing loss of the step's forwards (every micro-batch): their counts,
+        sums of p and token counts, added over ranks by ``add`` (an in-place sum of one array;
+        None: this process saw the whole batch). Returns aux."""
+        stats = sum(self.seen[m] for m in sorted(self.seen))  # micro-batches in order
+        self.seen = {}
+        if add is not None:
+            add(stats)
+        e = self.n_experts
+        counts, p_sum, self.n_tokens = stats[:e], stats[e:2 * e], float(stats[2 * e])
+        self.f = counts / (self.k * self.n_tokens)
+        self.aux = float(self.coef * e * (self.f * p_sum / self.n_tokens).sum())
+        self.tokens_per_expert = counts.astype(int)
+        return self.aux
 
 
 def gpt(vocab, d_model, n_heads, n_layers, seq_len, n_experts, top_k, aux_coef):
@@ -93,6 +128,8 @@ def gpt(vocab, d_model, n_heads, n_layers, seq_len, n_experts, top_k, aux_coef):
     return model
 
 
-def aux_loss(model):
-    """The load-balancing losses of the last forward, summed over the model's MoE layers."""
-    return sum(m.aux for m in model.modules() if isinstance(m, MoE))
+def balance(model, add=None):
+    """The load-balancing losses of the step's forwards, summed over the model's MoE layers
+    (:meth:`MoE.settle`; ``add`` sums each layer's routing over the ranks): call it after the
+    step's last forward and before its first backward, which needs the step's shares f_e."""
+    return sum(m.settle(add) for m in model.modules() if isinstance(m, MoE))

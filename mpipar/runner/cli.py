@@ -19,7 +19,7 @@ from mpipar.parts.plan import DEFAULTS, activation_bytes, memory_bytes, tp_size_
 from mpipar.parts.schedules import CHOICES, SCHEDULES, SPLIT
 from mpipar.runner.flags import PROGS, common_flags, scheme_flags
 
-SCHEMES = ("serial", "data_parallel", "tensor_parallel", "pipeline", "hybrid")
+SCHEMES = ("serial", "data_parallel", "tensor_parallel", "pipeline", "hybrid", "expert_parallel")
 
 # ----------------------------------------------------------------------------- refusals
 def layer_names(task):
@@ -40,6 +40,7 @@ def _bad_partition(a, n_pieces, task):
 
 
 ALL, DP, TP, PP, HY = SCHEMES, ("data_parallel",), ("tensor_parallel",), ("pipeline",), ("hybrid",)
+EP = ("expert_parallel",)
 # (schemes, condition(a), message): checked in order on the flags alone; the first that holds
 # is refused. ``a.n`` is the number of ranks, ``a.stages`` the pipeline's.
 FLAG_RULES = [
@@ -73,8 +74,21 @@ FLAG_RULES = [
      "--top-k {a.top_k} of --experts {a.experts}: each token goes to between 1 and E experts"),
     (ALL, lambda a: a.experts and not 0 <= a.aux_loss_coef < math.inf,
      "--aux-loss-coef must be 0 or more and finite, got {a.aux_loss_coef}"),
-    (ALL[1:], lambda a: a.experts,
-     "--experts trains on the serial trainer only so far: run python -m mpipar.serial"),
+    (DP + TP + PP + HY, lambda a: a.experts,
+     "--experts trains on the serial and expert-parallel trainers only so far: run python -m "
+     "mpipar.serial or mpipar.expert_parallel"),
+    (EP, lambda a: a.experts < 1,
+     "expert parallelism splits a mixture of experts: give --experts E of 1 or more, got "
+     "{a.experts}"),
+    (EP, lambda a: a.ep < 1 or a.n % a.ep,
+     "--ep {a.ep} must be at least 1 and divide the job's {a.n} ranks into expert-parallel "
+     "groups"),
+    (EP, lambda a: a.experts % a.ep,
+     "--experts {a.experts} do not split over the {a.ep} ranks of an expert-parallel group "
+     "(--ep {a.ep}): use a multiple of {a.ep} experts, or another --ep"),
+    (EP, lambda a: a.recompute,
+     "--recompute is not in the expert-parallel trainer: running a layer's forward again would "
+     "repeat its all-to-alls"),
     (ALL, lambda a: activation_bytes(a) > memory_bytes(),
      "--batch-size {a.batch_size} would need about {a.need_gib:.1f} GiB of activations in one "
      "step, more than this machine's {a.have_gib:.1f} GiB: use a smaller batch or model"),
@@ -98,9 +112,9 @@ FLAG_RULES = [
     (TP + HY, lambda a: a.sequence_parallel and a.model == "gpt" and a.seq_len % a.tp,
      "--sequence-parallel splits each sequence over the {a.tp} tensor-parallel ranks, but "
      "--seq-len {a.seq_len} is not divisible by {a.tp}: use a multiple of {a.tp}"),
-    (DP + PP + HY, lambda a: a.micro_batches < 1,
+    (DP + PP + HY + EP, lambda a: a.micro_batches < 1,
      "--micro-batches must be positive, got {a.micro_batches}"),
-    (DP + HY, lambda a: a.batch_size < a.replicas * a.micro_batches,
+    (DP + HY + EP, lambda a: a.batch_size < a.replicas * a.micro_batches,
      "the global batch of {a.batch_size} rows cannot be split over {a.replicas} {a.replica} x "
      "{a.micro_batches} micro-batch(es): every {a.one_replica} needs at least one row per "
      "micro-batch (use --batch-size >= {a.rows_needed}, or fewer {a.replica} or micro-batches)"),
@@ -194,11 +208,14 @@ def complete(a, scheme, n):
         if getattr(a, key) is None:
             setattr(a, key, value)
     absent = dict(explain=False, micro_batches=1, chunks=1, partition=None, bucket_mb=None,
-                  overlap=False, dp=1, tp=1, pp=1, sequence_parallel=False)
+                  overlap=False, dp=1, tp=1, pp=1, sequence_parallel=False, ep=1, a2a="mpi")
     for key in [key for key in absent if not hasattr(a, key)]:
         setattr(a, key, absent[key])
     a.dp, a.tp, a.pp = {"data_parallel": (n, 1, 1), "tensor_parallel": (1, n, 1),
-                        "pipeline": (1, 1, n)}.get(scheme, (a.dp, a.tp, a.pp))
+                        "pipeline": (1, 1, n), "expert_parallel": (n, 1, 1)}.get(
+        scheme, (a.dp, a.tp, a.pp))
+    if scheme == "expert_parallel" and a.ep is None:
+        a.ep = n  # every rank holds E/n experts
     if scheme == "hybrid" and a.dp is None and min(a.tp, a.pp) >= 1:
         a.dp = max(n // (a.tp * a.pp), 1)
     if scheme == "pipeline":

@@ -36,7 +36,7 @@ import math
 import numpy as np
 
 EPS = 1e-6  # PyTorch's: keeps the scale finite for a zero gradient
-ORDER = ("tp", "pp", "dp", "world")  # every rank adds over its groups in this one order
+ORDER = ("tp", "ep", "pp", "dp", "world")  # every rank adds over its groups in this one order
 
 
 def summed(value, groups):

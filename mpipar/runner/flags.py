@@ -27,7 +27,7 @@ def common_flags(ap, scheme):
     """The flags every trainer shares. Per-model defaults (steps, batch, lr, optimizer) are
     filled in after parsing (:data:`mpipar.parts.plan.DEFAULTS`), so ``--help`` names them per
     model."""
-    deep = scheme in ("pipeline", "hybrid")  # the GPT by default where stages need layers
+    deep = scheme in ("pipeline", "hybrid", "expert_parallel")  # the GPT: layers, experts
     g = ap.add_argument_group("training (shared by every scheme)")
     g.add_argument("--model", choices=["mlp", "gpt"], default="gpt" if deep else "mlp",
                    help="mlp: MLP on 8x8 digits; gpt: character-level GPT on text (default "
@@ -80,9 +80,11 @@ def common_flags(ap, scheme):
                    help="GPT blocks (default " + ("4 here: about one per stage)"
                                                   if scheme == "pipeline" else "2)"))
     m.add_argument("--seq-len", type=int, default=32, help="GPT context length (default 32)")
-    m.add_argument("--experts", type=int, default=0, metavar="E",
+    ep = scheme == "expert_parallel"
+    m.add_argument("--experts", type=int, default=8 if ep else 0, metavar="E",
                    help="GPT: a mixture of E expert feed-forwards in every block, top-k routed "
-                        "(default 0: one dense feed-forward; the serial trainer so far)")
+                        + ("(default 8)" if ep else "(default 0: one dense feed-forward; the "
+                                                    "serial and expert-parallel trainers)"))
     m.add_argument("--top-k", type=int, default=2, metavar="K",
                    help="experts per token with --experts (default 2)")
     m.add_argument("--aux-loss-coef", type=float, default=0.01, metavar="X",
@@ -141,6 +143,17 @@ def scheme_flags(ap, scheme):
                        help="print every stage's instruction list and exit (no MPI ranks needed)")
         g.add_argument("--stages", type=int, default=4,
                        help="number of stages for --print-schedule (default 4)")
+    elif scheme == "expert_parallel":
+        g = ap.add_argument_group("expert parallelism")
+        g.add_argument("--ep", type=int, metavar="G",
+                       help="ranks an expert-parallel group holds the experts over (default: all "
+                            "P; with G < P the P/G groups replicate the experts)")
+        g.add_argument("--a2a", choices=["mpi", "pairwise"], default="mpi",
+                       help="the all-to-all: MPI's Alltoallv (default) or P-1 rounds of "
+                            "Sendrecv by hand (the same results, bit for bit)")
+        g.add_argument("--micro-batches", type=int, default=1,
+                       help="pieces of each rank's rows, every forward before any backward "
+                            "(default 1)")
     elif scheme == "hybrid":
         g = ap.add_argument_group("the process grid")
         g.add_argument("--dp", type=int, help="data-parallel replicas (default: N // (tp*pp))")
@@ -161,4 +174,5 @@ PROGS = {"serial": "Train the reference model on one process.",  # each scheme's
          "data_parallel": "Train with P data-parallel replicas.",
          "tensor_parallel": "Train with every large matrix split over P ranks.",
          "pipeline": "Train across P pipeline stages (one per rank).",
-         "hybrid": "Train with data x tensor x pipeline parallelism on N = dp*tp*pp ranks."}
+         "hybrid": "Train with data x tensor x pipeline parallelism on N = dp*tp*pp ranks.",
+         "expert_parallel": "Train a mixture of experts with its experts split over P ranks."}

@@ -155,7 +155,7 @@ def where(grid):
     if grid is None:
         return "serial"
     axes = [(name, getattr(grid, f"{name}_rank"), getattr(grid, f"{name}_size"))
-            for name in ("dp", "tp", "pp")]
+            for name in getattr(grid, "axes", ("dp", "tp", "pp"))]
     return " ".join(f"{name} {r}" for name, r, size in axes if size > 1) or "rank 0"
 
 
@@ -166,6 +166,7 @@ def prediction(a, task):
     from mpipar.tools import simulate as S
 
     if a.optim == "sgd" or a.chunks > 1 or a.partition or getattr(a, "sync", "") == "master" \
+            or a.experts \
             or getattr(a, "update", "local") == "master" \
             or getattr(a, "schedule", "1f1b") not in S.schedules.SCHEDULES:
         return None
@@ -195,6 +196,6 @@ def lines(probe, a, task, grid):
     predicted = prediction(a, task)
     out.append("cost model (mpipar/tools/simulate.py > predict), its largest rank: " + (
         ", ".join(f"{h} {predicted[k]:,}" for h, k in zip(HEADINGS, KINDS) if k in predicted)
-        if predicted else "no prediction (it models Adam, one chunk per stage, the balanced "
-                          "partition, its schedules and a local update)"))
+        if predicted else "no prediction (it models dense models with Adam, one chunk per "
+                          "stage, the balanced partition, its schedules and a local update)"))
     return out

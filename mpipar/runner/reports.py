@@ -33,6 +33,7 @@ class Report:
         self.a, self.task, self.trainer, self.grid, self.start = a, task, trainer, grid, start
         self.n_params = sum(p.size for p in task.build_model().parameters())
         self.desc = {"data_parallel": f"dp x{a.dp}", "tensor_parallel": f"tp x{a.tp}",
+                     "expert_parallel": f"ep {a.ep} x{a.n // a.ep}",
                      "hybrid": f"hybrid {a.dp}x{a.tp}x{a.pp}"}.get(a.scheme, a.scheme)
         self.after_step = None
         self.failed = []  # outputs that could not be written: the run ends with them, code 1
@@ -191,9 +192,20 @@ class HybridReport(Report):
                     f"max {max(totals):,}, min {min(totals):,}"]
 
 
+class ExpertParallelReport(Report):
+    def header(self):
+        a = self.a
+        return (f"expert_parallel: {a.model} with {self.n_params:,} parameters ({a.experts} "
+                f"experts a block, top-{a.top_k}, aux loss coefficient {a.aux_loss_coef:g}) on "
+                f"{a.n} ranks: ep groups of {a.ep} ({a.experts // a.ep} experts a rank, each "
+                f"on {a.n // a.ep} rank(s)), all-to-all {a.a2a}, {self.training()} (rows per "
+                f"rank {comm.split_rows(a.batch_size, a.n)}, {a.micro_batches} "
+                f"micro-batch(es)), {self.tail()}")
+
+
 REPORTS = {"serial": Report, "data_parallel": DataParallelReport,
            "tensor_parallel": TensorParallelReport, "pipeline": PipelineReport,
-           "hybrid": HybridReport}
+           "hybrid": HybridReport, "expert_parallel": ExpertParallelReport}
 
 
 def formula_text(schedule, p, m, v):
