@@ -95,6 +95,14 @@ def pairwise_alltoallv(ep_comm, send, send_rows, recv, recv_rows, what):
 EXCHANGES = {"mpi": mpi_alltoallv, "pairwise": pairwise_alltoallv}
 
 
+def balance_over(group, model, n_micro):
+    """The load-balancing loss of ``model``'s MoE layers over the batch whose rows the ranks
+    of ``group`` hold: one Allreduce per layer of its counts, sums of p and token count, after
+    all ``n_micro`` forwards (:func:`mpipar.engine.moe.balance`)."""
+    return moe.balance(model, lambda stats: group.Allreduce(
+        stats, what="routing counts, sums of p, tokens"), n_micro)
+
+
 # ----------------------------------------------------------------------------- the layer
 class ExpertParallelMoE(moe.MoE):
     """A :class:`mpipar.engine.moe.MoE` that holds this rank's E/G experts and reaches the
@@ -187,6 +195,14 @@ def make_grid(ep, mpi_comm=None):
     at its place in every ep group (``edp_comm``). The runner calls it for this scheme."""
     grid = Grid(dp=(MPI.COMM_WORLD if mpi_comm is None else mpi_comm).Get_size(),
                 mpi_comm=mpi_comm)
+    add_expert_groups(grid, ep)
+    grid.axes = ("ep", "edp")  # a rank's place, for the memory ledger
+    return grid
+
+
+def add_expert_groups(grid, ep):
+    """Split the grid's ``dp_comm`` (the ranks that hold the same layers and take other rows)
+    into ep groups of ``ep`` consecutive ranks and expert-replica groups (the hybrid's too)."""
     r = grid.dp_comm.rank
 
     def split(color, key, name):
@@ -194,10 +210,8 @@ def make_grid(ep, mpi_comm=None):
             return communicator(grid.dp_comm.mpi.Split(color, key), name)
 
     grid.ep_comm, grid.edp_comm = split(r // ep, r % ep, "ep"), split(r % ep, r // ep, "edp")
-    grid.axes = ("ep", "edp")  # a rank's place, for the memory ledger
     grid.ep_rank, grid.ep_size = grid.ep_comm.rank, grid.ep_comm.size
     grid.edp_rank, grid.edp_size = grid.edp_comm.rank, grid.edp_comm.size
-    return grid
 
 
 class ExpertParallel(Trainer):
@@ -254,8 +268,7 @@ class ExpertParallel(Trainer):
 
         # -- EP Step 7: the aux loss over the global batch: one Allreduce of each layer's routing --
         with comm.step("EP Step 7", "Allreduce of each MoE layer's counts, sums of p and tokens"):
-            aux = moe.balance(self.model, lambda stats: self.world.Allreduce(
-                stats, what="routing counts, sums of p, tokens"))
+            aux = balance_over(self.world, self.model, len(micro))
 
         # -- EP Step 8: backward, micro-batch by micro-batch (the all-to-alls reversed inside) --
         for micro_id in range(len(micro)):

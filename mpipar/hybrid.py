@@ -67,6 +67,16 @@ rank's parameters, about |theta| w / (T P)):
   (before it with --zero, while the gradients are whole; so --zero 2 takes no --overlap); a
   stage boundary then carries each tp rank's own rows, r*(s/T)*h*w, not a copy of all of them.
 
+With ``--experts E`` (:mod:`mpipar.expert_parallel`'s layer in every block; ``--tp 1``,
+``--schedule gpipe``): each stage's replicas are cut into ep groups of ``--ep`` consecutive
+replicas over which its experts are split (Step 1 splits ``dp_comm`` once more); every MoE layer
+sends its tokens to their experts' replicas and back by all-to-all in Step 4; before a stage's
+first backward, :class:`BalancingStage` settles its layers' load-balancing loss over the whole
+global batch, one Allreduce over ``dp_comm`` of each layer's routing (so every micro-batch's
+forward must come first: GPipe's order, and no other schedule is accepted); in Step 5 the
+experts' gradients are summed over their own replicas only, the rest over ``dp_comm``; the
+printed loss adds the stages' aux losses.
+
 Why that nesting (Narayanan et al. 2021, arXiv:2104.04473, Sec. 3): tensor parallelism talks
 several times per layer and micro-batch, so its groups are neighbouring ranks (one node, fast
 links); the pipeline talks once per micro-batch and stage boundary, point to point; data
@@ -83,12 +93,13 @@ as it would without ZeRO.
 """
 
 from mpipar import data_parallel as DP
+from mpipar import expert_parallel as EP
 from mpipar import pipeline as PP
 from mpipar import serial
 from mpipar import tensor_parallel as TP
 from mpipar import zero as Z
 from mpipar.engine import backend as B
-from mpipar.engine import nn
+from mpipar.engine import moe, nn
 from mpipar.engine.parameters import place
 from mpipar.mpi import comm
 from mpipar.mpi.grid import Grid
@@ -107,11 +118,14 @@ def sum_over(group, value, what=""):
 
 
 # ----------------------------------------------------------------------------- the scheme
-def make_grid(dp, tp, pp, mpi_comm=None):
+def make_grid(dp, tp, pp, mpi_comm=None, ep=None):
     """The grid's three communicators for this rank (a wrong product is refused by Grid on
-    every rank, listing the layouts that fit the job)."""
+    every rank, listing the layouts that fit the job); with ``ep`` (a run with experts), the
+    dp group split into expert-parallel groups too."""
     # -- HY Step 1: carve COMM_WORLD into the data x tensor x pipeline grid --
     grid = Grid(dp, tp, pp, mpi_comm)
+    if ep is not None:  # the ep and expert-replica groups, inside each stage's replicas
+        EP.add_expert_groups(grid, ep)
     comm.narrate(f"HY Step 1: world rank {grid.world.rank} is dp={grid.dp_rank} "
                  f"tp={grid.tp_rank} pp={grid.pp_rank}: tp group of {grid.tp_size}, pipeline "
                  f"of {grid.pp_size} stages, {grid.dp_size} replica(s)")
@@ -135,6 +149,25 @@ class SyncingStage(nn.Sequential):
         return DP.backward_layers(self, dout, micro_id, self.sync.grads_ready)
 
 
+class BalancingStage(nn.Sequential):
+    """A stage of mixture-of-experts blocks whose first backward of a step first settles the
+    load-balancing loss of its layers over the global batch: one Allreduce over ``dp_comm``
+    (the replicas, whose rows make up the batch) of each layer's routing, after all ``n_micro``
+    forwards (GPipe's order; any other schedule is refused, and :func:`moe.balance` would
+    stop a backward that came earlier). ``aux``: the stage's layers' aux losses."""
+
+    def __init__(self, stage, dp_comm, n_micro):
+        super().__init__(stage.layers)
+        self.dp_comm, self.n_micro, self.aux = dp_comm, n_micro, 0.0
+
+    def backward(self, dout, micro_id=0):
+        if any(m.seen for m in self.modules() if isinstance(m, moe.MoE)):  # the step's first
+            with comm.step("HY Step 4", "the aux loss over the global batch: Allreduce of each "
+                                        "MoE layer's routing over the replicas"):
+                self.aux = EP.balance_over(self.dp_comm, self, self.n_micro)
+        return super().backward(dout, micro_id)
+
+
 class Hybrid(Trainer):
     """One rank of the 3D trainer: ``__init__`` is Step 2, :meth:`step` Steps 3 to 6 for one
     global batch (Steps 5 and 6 run inside the pipeline, at its optimizer step)."""
@@ -151,22 +184,39 @@ class Hybrid(Trainer):
         counts, self.flops = plan.plan_stages(task, n_stages, m, args.partition)  # dense FLOPs
         self.bounds = plan.stage_bounds(counts)
         tp_model = tp_models.build_tp_model(task, self.tp_comm)  # every layer, none initialised
+        if args.experts:  # each block's feed-forward: this replica's share of the experts
+            for name, block in tp_model.layers:
+                if name.startswith("blocks."):
+                    block.mlp = EP.ExpertParallelMoE(args.d_model, args.experts, args.top_k,
+                                                     args.aux_loss_coef, grid.ep_comm,
+                                                     EP.EXCHANGES[args.a2a])
         self.layer_names = [name for name, _ in tp_model.layers]
         stage = PP.build_stage(tp_model, self.bounds[self.stage_id], args.seed)
         self.stage = stage
         shards, replicated = split_parameters(stage)
-        place(shards, split=[self.tp_comm, self.pp_comm], replicated=[self.dp_comm])
-        place(replicated, split=[self.pp_comm], replicated=[self.tp_comm, self.dp_comm])
+        self.experts = [p for n, p in stage.named_parameters() if ".mlp.experts." in n]
+        replicated = [p for p in replicated if all(p is not q for q in self.experts)]
+        ep = [grid.ep_comm] if args.experts else []  # the rest is the same on every ep rank
+        place(shards, split=[self.tp_comm, self.pp_comm], replicated=[self.dp_comm, *ep])
+        place(replicated, split=[self.pp_comm], replicated=[self.tp_comm, self.dp_comm, *ep])
+        place(self.experts, split=[self.pp_comm, *ep], replicated=[self.tp_comm, *(
+            [grid.edp_comm] if args.experts else [])])
         self.loss_fn = tp_models.tp_loss(task, self.tp_comm) if self.is_last_stage else None
         self.instructions = SCHEDULES[args.schedule](n_stages, self.stage_id, m)
         self.rows = comm.split_rows(args.batch_size, grid.dp_size)  # rows per replica
         self.lo = sum(self.rows[:grid.dp_rank])
         self.micro_rows = comm.split_rows(self.rows[grid.dp_rank], m)
         make_opt = lambda params: serial.make_optimizer(args, params)  # noqa: E731
-        self.update = ZeroUpdate(stage, self.dp_comm, make_opt, self.tp_comm) if args.zero == 1 \
-            else (Zero2Update if args.zero == 2 else SyncedUpdate)(
+        if args.experts:  # the experts' gradients are summed over their own replicas only
+            self.update = SyncedUpdate(stage, self.dp_comm, make_opt, args.bucket_mb,
+                                       tp_comm=self.tp_comm, experts=self.experts,
+                                       edp_comm=grid.edp_comm)
+        elif args.zero == 1:
+            self.update = ZeroUpdate(stage, self.dp_comm, make_opt, self.tp_comm)
+        else:
+            self.update = (Zero2Update if args.zero == 2 else SyncedUpdate)(
                 stage, self.dp_comm, make_opt, args.bucket_mb, args.overlap, tp_comm=self.tp_comm)
-        self.module = stage
+        self.module = BalancingStage(stage, self.dp_comm, m) if args.experts else stage
         if args.overlap and self.update.sync is not None:
             last = [ins.micro for ins in self.instructions if isinstance(ins, Backward)][-1]
             self.module = SyncingStage(stage, self.update.sync, last)
@@ -208,7 +258,10 @@ class Hybrid(Trainer):
         loss = None
         if self.is_last_stage:  # each replica's loss covers its rows only: add the replicas'
             loss = sum_over(self.dp_comm, result.loss, what="the replicas' losses, to print")
-        return PP.share_loss(self.pp_comm, loss)
+        loss = PP.share_loss(self.pp_comm, loss)
+        if self.args.experts:  # each stage's layers' aux losses, already over the whole batch
+            loss += sum_over(self.pp_comm, self.module.aux, what="the stages' aux losses")
+        return loss
 
     def memory(self):
         """Bytes this rank holds: parameters, gradients, optimizer state, peak activations.
@@ -236,9 +289,9 @@ class Hybrid(Trainer):
         self.module = wrap(self.module)
 
     def buffers(self):  # GradSync's gradient buckets, or ZeRO-2's flat parameters and gradients
-        sync = self.update.sync
-        return [] if sync is None else \
-            [x for b in sync.buckets for x in (b.flat, getattr(b, "flat_grad", None))]
+        syncs = [s for s in (self.update.sync, getattr(self.update, "expert_sync", None)) if s]
+        return [x for sync in syncs for b in sync.buckets
+                for x in (b.flat, getattr(b, "flat_grad", None))]
 
     def full_params(self):
         """The whole model on world rank 0 (Step 7), None elsewhere."""
@@ -250,12 +303,17 @@ class SyncedUpdate:
     backward: Step 5 sums the gradients over ``dp_comm``, Step 6 steps each rank's optimizer
     on its own shards and replicated parameters. With one replica there is nothing to sum."""
 
-    def __init__(self, stage, dp_comm, make_opt, bucket_mb=None, overlap=False, tp_comm=None):
+    def __init__(self, stage, dp_comm, make_opt, bucket_mb=None, overlap=False, tp_comm=None,
+                 experts=(), edp_comm=None):
         self.dp_comm, self.tp_comm, self.params = dp_comm, tp_comm, stage.parameters()
         self.local = TP.LocalUpdate(stage, make_opt)
         self.opt, self.sync, self.zero, self.sharded = self.local.opt, None, None, []
-        if dp_comm.size > 1:
-            self.sync = DP.GradSync(dp_comm, stage.parameters(), "allreduce", bucket_mb, overlap)
+        rest = [p for p in self.params if all(p is not e for e in experts)]
+        if dp_comm.size > 1 and rest:
+            self.sync = DP.GradSync(dp_comm, rest, "allreduce", bucket_mb, overlap)
+        self.expert_sync = None  # the experts: over the replicas that hold the same ones
+        if experts and edp_comm.size > 1:
+            self.expert_sync = DP.GradSync(edp_comm, experts, "allreduce", bucket_mb)
 
     def step(self):
         # -- HY Step 5: after the last backward, sum the gradients over the dp group --
@@ -266,6 +324,10 @@ class SyncedUpdate:
                                         f"{len(self.sync.buckets)} bucket(s): the sum is the "
                                         f"serial gradient (global normaliser)"):
                 self.sync.finish()
+        if self.expert_sync is not None:
+            with comm.step("HY Step 5", f"Allreduce(SUM) of the experts' gradients over their "
+                                        f"{self.expert_sync.comm.size} replicas"):
+                self.expert_sync.finish()
         if self.tp_comm is not None:  # --sequence-parallel: after the dp sum (it may overlap)
             SP.allreduce_sequence_grads(self.params, self.tp_comm)
 
@@ -357,6 +419,10 @@ def gather_model(task, trainer):
     the dense stages on its stage 0, which is world rank 0."""
     # -- HY Step 7: gather the whole model to world rank 0: shards per stage, then the stages --
     grid = trainer.grid
+    experts = {}
+    if trainer.experts:  # each ep group's experts to its first replica
+        parts = grid.ep_comm.gather_obj({p.name: B.to_numpy(p.data) for p in trainer.experts})
+        experts = {} if parts is None else {k: v for part in parts for k, v in part.items()}
     if grid.dp_rank != 0:
         return None
     comm.narrate(f"HY Step 7: stage {trainer.stage_id} of replica 0 gathers its shards to tp "
@@ -366,6 +432,7 @@ def gather_model(task, trainer):
         return None
     a, b = trainer.bounds[trainer.stage_id]
     dense = nn.Sequential(task.build_model().layers[a:b])  # the serial layers, uninitialised
+    full.update(experts)
     for name, p in dense.named_parameters():
         p.name = name
         p.set(B.to_numpy(full[name]))

@@ -102,3 +102,34 @@ def test_clipping_and_the_memory_ledger_read_the_placements(mpirun, tmp_path, ca
 def test_bad_input_ends_every_rank_with_one_line(n, flags, message):
     assert_refused(n, "expert_parallel", flags, message)
 
+
+
+# ----------------------------------------------------------------------------- in the hybrid
+@pytest.mark.parametrize("n,layout", [
+    (4, ["--dp", "2", "--pp", "2", "--ep", "2"]),
+    (4, ["--dp", "4", "--ep", "2", "--a2a", "pairwise"]),
+    (8, ["--dp", "4", "--pp", "2", "--ep", "4"]),
+    (8, ["--dp", "2", "--pp", "4", "--ep", "2", "--a2a", "pairwise"]),
+])
+def test_the_hybrid_with_experts_equals_serial(mpirun, tmp_path, capsys, n, layout):
+    """Experts over replicas of each pipeline stage: GPipe's order, 2 micro-batches a replica,
+    the aux loss of each stage's layers over the global batch, summed over the stages."""
+    saved = tmp_path / "hybrid_ep.npz"
+    flags = [*TINY, "--steps", "3"]
+    out = mpirun(n, ["-m", "mpipar.hybrid", *flags, *layout, "--schedule", "gpipe",
+                     "--micro-batches", "2", "--save-params", saved], timeout=90).stdout
+    assert_matches_serial(out, flags, saved, tmp_path, capsys)
+    ep = layout[layout.index("--ep") + 1]
+    assert f"experts: 4 a block over ep groups of {ep}" in out, out
+
+
+@pytest.mark.parametrize("n,flags,message", [
+    (4, ["--dp", "2", "--pp", "2", "--schedule", "1f1b"],
+     "--experts in the hybrid runs --schedule gpipe"),
+    (4, ["--dp", "2", "--tp", "2"], "--experts in the hybrid takes no --tp"),
+    (4, ["--dp", "4", "--ep", "3"], "--ep 3 must divide the 4 data-parallel replicas"),
+    (4, ["--dp", "2", "--pp", "2", "--zero", "1", "--schedule", "gpipe"],
+     "--experts in the hybrid takes no --zero"),
+])
+def test_the_hybrid_refuses_what_experts_cannot_do(n, flags, message):
+    assert_refused(n, "hybrid", [*TINY, *flags], message)

@@ -102,10 +102,16 @@ class MoE(nn.SplitBackward):
         dh += self.router.backward_input(dlogits, micro_id)
         return dh.reshape(dout.shape)
 
-    def settle(self, add=None):
+    def settle(self, add=None, n_micro=None):
         """The load-balancing loss of the step's forwards (every micro-batch): their counts,
         sums of p and token counts, added over ranks by ``add`` (an in-place sum of one array;
-        None: this process saw the whole batch). Returns aux."""
+        None: this process saw the whole batch). ``n_micro``: the forwards there must have been
+        (a schedule that starts a backward earlier would settle on part of the batch). Returns
+        aux."""
+        if n_micro is not None and len(self.seen) != n_micro:
+            raise RuntimeError(f"the load-balancing loss needs the routing of all {n_micro} "
+                               f"micro-batches before the first backward, but {len(self.seen)} "
+                               "forwards ran: use a schedule with every forward first (GPipe)")
         stats = sum(self.seen[m] for m in sorted(self.seen))  # micro-batches in order
         self.seen = {}
         if add is not None:
@@ -128,8 +134,8 @@ def gpt(vocab, d_model, n_heads, n_layers, seq_len, n_experts, top_k, aux_coef):
     return model
 
 
-def balance(model, add=None):
+def balance(model, add=None, n_micro=None):
     """The load-balancing losses of the step's forwards, summed over the model's MoE layers
     (:meth:`MoE.settle`; ``add`` sums each layer's routing over the ranks): call it after the
     step's last forward and before its first backward, which needs the step's shares f_e."""
-    return sum(m.settle(add) for m in model.modules() if isinstance(m, MoE))
+    return sum(m.settle(add, n_micro) for m in model.modules() if isinstance(m, MoE))

@@ -22,7 +22,7 @@ import os
 
 import numpy as np
 
-from mpipar.engine import nn
+from mpipar.engine import moe, nn
 
 FREE = (nn.ReLU, nn.GELU, nn.Embedding, nn.GPTEmbedding)  # elementwise or a lookup: ~0 FLOPs
 DEFAULTS = {  # per model, what a run takes unless told: trains well within a minute on 2 cores
@@ -46,6 +46,9 @@ def flops(layer, x_shape):
         return flops(layer.qkv, x_shape) + flops(layer.proj, x_shape[:-1] + (local,)) + core
     if isinstance(layer, nn.FeedForward):
         return flops(layer.fc, x_shape) + flops(layer.proj, out_shape(layer.fc, x_shape))
+    if isinstance(layer, moe.MoE):  # the router, then k experts a token (balanced, on average)
+        one = flops(layer.experts.layers[0][1], x_shape)  # one expert on every token
+        return flops(layer.router, x_shape) + layer.k * one
     if isinstance(layer, nn.Block):  # the LayerNorms keep the shape, so all four see x_shape
         return sum(flops(m, x_shape) for m in (layer.ln1, layer.attn, layer.ln2, layer.mlp))
     if isinstance(layer, nn.GPTHead):

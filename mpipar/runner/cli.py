@@ -74,9 +74,26 @@ FLAG_RULES = [
      "--top-k {a.top_k} of --experts {a.experts}: each token goes to between 1 and E experts"),
     (ALL, lambda a: a.experts and not 0 <= a.aux_loss_coef < math.inf,
      "--aux-loss-coef must be 0 or more and finite, got {a.aux_loss_coef}"),
-    (DP + TP + PP + HY, lambda a: a.experts,
-     "--experts trains on the serial and expert-parallel trainers only so far: run python -m "
-     "mpipar.serial or mpipar.expert_parallel"),
+    (DP + TP + PP, lambda a: a.experts,
+     "--experts trains on the serial, expert-parallel and hybrid trainers only so far: run "
+     "python -m mpipar.serial, mpipar.expert_parallel or mpipar.hybrid"),
+    (HY, lambda a: not a.experts and a.ep != 1, "--ep {a.ep} splits experts: give --experts E"),
+    (HY, lambda a: a.experts and a.schedule != "gpipe",
+     "--experts in the hybrid runs --schedule gpipe: the load-balancing loss needs the whole "
+     "batch's routing before the first backward, and {a.schedule} starts a backward before the "
+     "last micro-batch's forward"),
+    (HY, lambda a: a.experts and a.tp > 1,
+     "--experts in the hybrid takes no --tp: its experts are split over the replicas of a "
+     "stage, not over tensor-parallel ranks (use --tp 1)"),
+    (HY, lambda a: a.experts and (a.zero or a.overlap or a.recompute),
+     "--experts in the hybrid takes no --zero, --overlap or --recompute: its experts' "
+     "gradients are summed over their own replicas, apart from the rest"),
+    (HY, lambda a: a.experts and (a.ep < 1 or (a.dp or 1) % a.ep),
+     "--ep {a.ep} must divide the {a.dp} data-parallel replicas: the experts are split over "
+     "ep replicas of each stage"),
+    (HY, lambda a: a.experts and a.experts % a.ep,
+     "--experts {a.experts} do not split over the {a.ep} ranks of an expert-parallel group "
+     "(--ep {a.ep}): use a multiple of {a.ep} experts, or another --ep"),
     (EP, lambda a: a.experts < 1,
      "expert parallelism splits a mixture of experts: give --experts E of 1 or more, got "
      "{a.experts}"),
@@ -204,6 +221,8 @@ def complete(a, scheme, n):
     """Fill what the flags leave open: the model's defaults, the flags a scheme does not have,
     and the grid (dp, tp, pp) of n ranks, so that every scheme's options look alike."""
     a.scheme, a.n = scheme, n
+    if scheme in ("pipeline", "hybrid") and a.schedule is None:  # the aux loss needs GPipe's
+        a.schedule = "gpipe" if a.experts else "1f1b"  # order (every forward first)
     for key, value in DEFAULTS[a.model].items():
         if getattr(a, key) is None:
             setattr(a, key, value)
@@ -216,6 +235,8 @@ def complete(a, scheme, n):
         scheme, (a.dp, a.tp, a.pp))
     if scheme == "expert_parallel" and a.ep is None:
         a.ep = n  # every rank holds E/n experts
+    if scheme == "hybrid" and a.ep is None:
+        a.ep = 1  # every replica holds every expert
     if scheme == "hybrid" and a.dp is None and min(a.tp, a.pp) >= 1:
         a.dp = max(n // (a.tp * a.pp), 1)
     if scheme == "pipeline":

@@ -106,11 +106,18 @@ def sequence_flag(g):
 
 
 def pipeline_flags(g, schedules, micro_help):
-    g.add_argument("--schedule", default="1f1b", metavar="{" + ",".join(schedules) + "}",
-                   help=f"{', '.join(schedules)} (default 1f1b)")
+    g.add_argument("--schedule", metavar="{" + ",".join(schedules) + "}",
+                   help=f"{', '.join(schedules)} (default 1f1b; gpipe with --experts)")
     g.add_argument("--micro-batches", type=int, metavar="M", help=micro_help)
     g.add_argument("--partition", metavar="N,N,...", type=given,
                    help="layers per stage by hand, e.g. 2,1,1 (default: balance the FLOPs)")
+
+
+def expert_flags(g, ep_help):
+    g.add_argument("--ep", type=int, metavar="G", help=ep_help)
+    g.add_argument("--a2a", choices=["mpi", "pairwise"], default="mpi",
+                   help="the all-to-all: MPI's Alltoallv (default) or P-1 rounds of Sendrecv "
+                        "by hand (the same results, bit for bit)")
 
 
 def scheme_flags(ap, scheme):
@@ -144,13 +151,9 @@ def scheme_flags(ap, scheme):
         g.add_argument("--stages", type=int, default=4,
                        help="number of stages for --print-schedule (default 4)")
     elif scheme == "expert_parallel":
-        g = ap.add_argument_group("expert parallelism")
-        g.add_argument("--ep", type=int, metavar="G",
-                       help="ranks an expert-parallel group holds the experts over (default: all "
-                            "P; with G < P the P/G groups replicate the experts)")
-        g.add_argument("--a2a", choices=["mpi", "pairwise"], default="mpi",
-                       help="the all-to-all: MPI's Alltoallv (default) or P-1 rounds of "
-                            "Sendrecv by hand (the same results, bit for bit)")
+        expert_flags(g := ap.add_argument_group("expert parallelism"),
+                     "ranks an expert-parallel group holds the experts over (default: all P; "
+                     "with G < P the P/G groups replicate the experts)")
         g.add_argument("--micro-batches", type=int, default=1,
                        help="pieces of each rank's rows, every forward before any backward "
                             "(default 1)")
@@ -168,6 +171,9 @@ def scheme_flags(ap, scheme):
         bucket_flags(g := ap.add_argument_group("gradient sum over the data-parallel group"))
         g.add_argument("--zero", type=int, default=0, choices=range(4),
                        help="shard over dp (ZeRO): 1 the optimizer state, 2 also the gradients")
+        expert_flags(ap.add_argument_group("experts (--experts E)"),
+                     "replicas of a stage its experts are split over (default 1: every "
+                     "replica holds them all)")
 
 
 PROGS = {"serial": "Train the reference model on one process.",  # each scheme's --help line

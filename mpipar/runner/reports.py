@@ -178,6 +178,10 @@ class HybridReport(Report):
                            for d in range(a.dp) for t in range(a.tp)]
         names = layer_names(self.task)
         total = max(sum(trainer.flops), 1)
+        if a.experts:
+            head += (f"\n  experts: {a.experts} a block over ep groups of {a.ep} replicas "
+                     f"({a.experts // a.ep} a rank), top-{a.top_k}, aux loss coefficient "
+                     f"{a.aux_loss_coef:g}, all-to-all {a.a2a}")
         return "\n".join([head] + [
             f"  stage {s} (ranks {ranks(s)}): {', '.join(names[lo:hi]):<28} "
             f"{sum(trainer.flops[lo:hi]) / total:4.0%} of the forward FLOPs"
