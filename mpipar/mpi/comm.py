@@ -371,7 +371,7 @@ class Comm(PickledCalls):
         host_out, dev = B.host_out(recvbuf)
         self._count("Alltoall", sent=sendbuf.nbytes - own, recv=recvbuf.nbytes - own)
         req = self.mpi.Ialltoall(B.host(sendbuf), host_out)
-        self._blocking(req, "Alltoall", f"all <-> all ({self.size})", sendbuf.nbytes, t0,
+        self._blocking(req, "Alltoall", f"all <-> all ({self.size})", sendbuf.nbytes - own, t0,
                        what, host_out, dev)
 
     def Alltoallv(self, sendbuf, send_rows, recvbuf, recv_rows, what=""):
@@ -389,12 +389,12 @@ class Comm(PickledCalls):
         t0, me = _now(), self.rank
         host_out, dev = B.host_out(recvbuf)
         per_row = row * sendbuf.dtype.itemsize
-        self._count("Alltoallv", sent=(sum(send_rows) - send_rows[me]) * per_row,
-                    recv=(sum(recv_rows) - recv_rows[me]) * per_row)
+        sent = (sum(send_rows) - send_rows[me]) * per_row  # this rank's own rows are copied
+        self._count("Alltoallv", sent=sent, recv=(sum(recv_rows) - recv_rows[me]) * per_row)
         req = self.mpi.Ialltoallv([B.host(sendbuf), (out_elems, offsets(out_elems)), mpi_type],
                                   [host_out, (in_elems, offsets(in_elems)), mpi_type])
         self._blocking(req, "Alltoallv", f"rows out {list(send_rows)}, in {list(recv_rows)}",
-                       sendbuf.nbytes, t0, what, host_out, dev)
+                       sent, t0, what, host_out, dev)
 
 
 def narrate(text):
