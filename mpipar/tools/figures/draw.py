@@ -32,9 +32,10 @@ def rounded(x):
 
 # ----------------------------------------------------------------------------- stand-in ranks
 class ThreadRanks:
-    """P threads standing in for P ranks, each running ``fn(comm)``. The comm offers the two
-    calls the pictured functions make, Sendrecv and Allreduce, with MPI's meaning: every rank
-    posts a copy of its buffer, waits for the others (a barrier), then reads what it is owed.
+    """P threads standing in for P ranks, each running ``fn(comm)``. The comm offers the calls
+    the pictured functions make, Sendrecv, Allreduce and Alltoall, with MPI's meaning: every
+    rank posts a copy of its buffer, waits for the others (a barrier), then reads what it is
+    owed.
     ``on_send(rank, sendbuf)``, when set, sees each Sendrecv before the exchange."""
 
     def __init__(self, size, on_send=None):
@@ -48,7 +49,8 @@ class ThreadRanks:
             try:
                 results[rank] = fn(SimpleNamespace(rank=rank, size=self.size,
                                                    Sendrecv=self._sendrecv(rank),
-                                                   Allreduce=self._allreduce(rank)))
+                                                   Allreduce=self._allreduce(rank),
+                                                   Alltoall=self._alltoall(rank)))
             except Exception as err:  # a broken barrier lets the other threads end too
                 errors.append(err)
                 self.barrier.abort()
@@ -76,6 +78,12 @@ class ThreadRanks:
             assert to == rank, f"rank {source} sent to {to}, but rank {rank} receives from it"
             recvbuf[...] = data
         return Sendrecv
+
+    def _alltoall(self, rank):
+        def Alltoall(sendbuf, recvbuf, what=""):
+            parts = self._exchange(rank, np.array_split(sendbuf, self.size))
+            recvbuf[...] = np.concatenate([parts[s][rank] for s in range(self.size)])
+        return Alltoall
 
     def _allreduce(self, rank):
         from mpi4py import MPI
