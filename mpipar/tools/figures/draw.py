@@ -35,8 +35,7 @@ class ThreadRanks:
     """P threads standing in for P ranks, each running ``fn(comm)``. The comm offers the calls
     the pictured functions make, Sendrecv, Allreduce and Alltoall, with MPI's meaning: every
     rank posts a copy of its buffer, waits for the others (a barrier), then reads what it is
-    owed.
-    ``on_send(rank, sendbuf)``, when set, sees each Sendrecv before the exchange."""
+    owed. ``on_send(rank, sendbuf)``, when set, sees each Sendrecv before the exchange."""
 
     def __init__(self, size, on_send=None):
         self.size, self.on_send, self.box, self.allreduces = size, on_send, {}, []
