@@ -116,20 +116,8 @@ class ExpertParallelMoE(moe.MoE):
         self.comm, self.exchange = ep_comm, exchange
 
     def run_experts(self, h, p, rows, micro_id):
-        g, per = self.comm.size, self.per
         counts = np.array([len(r) for r in rows], dtype=np.int64)  # pairs per expert
-        # -- EP Step 3: the pair counts per expert of each destination are exchanged (Alltoall) --
-        with comm.step("EP Step 3", f"Alltoall of the pair counts {counts.tolist()} by expert"):
-            got = np.empty_like(counts).reshape(g, per)  # got[s, j]: rows from s for expert j
-            self.comm.Alltoall(counts.reshape(g, per), got, what="routed pairs per expert")
-        send_rows, recv_rows = counts.reshape(g, per).sum(axis=1).tolist(), got.sum(axis=1).tolist()
-        where = self.arrivals(got)
-
-        # -- EP Step 4: dispatch: the tokens' rows go to their experts' ranks (Alltoallv) --
-        with comm.step("EP Step 4", f"dispatch: rows {send_rows} out to ranks 0..{g - 1}, "
-                                    f"{recv_rows} in"):
-            sent = h[B.xp.concatenate(rows)]  # (pairs, C): by destination, expert, token
-            arrived = self.moved(sent, send_rows, recv_rows, "tokens to experts")
+        arrived, send_rows, recv_rows, where = self.dispatch(h, rows, counts)
 
         # -- EP Step 5: each rank runs each of its experts on the rows that came for it --
         comm.narrate(f"EP Step 5: experts {[e for e, _ in self.held()]} run on "
@@ -145,6 +133,28 @@ class ExpertParallelMoE(moe.MoE):
         for e, seg in enumerate(self.segments(counts)):
             out[rows[e]] += p[rows[e], e:e + 1] * back[seg]
         return out, (rows, counts, send_rows, recv_rows, where, back)
+
+    def dispatch(self, h, rows, counts):
+        """Steps 3 and 4. ``rows[e]``: the tokens (rows of h) routed to expert e,
+        ``counts[e]`` how many; expert e lives on rank e // (E/G) of the ep group. Exchange
+        the counts with one Alltoall (each rank learns how many rows each source sends to
+        each of its experts), then send the tokens' rows, ordered by destination, expert,
+        token, with :meth:`moved` (the all-to-all of ``--a2a``). Returns what arrived
+        (source by source), the rows sent to and received from each rank, and where each of
+        this rank's experts finds its rows in what arrived (:meth:`arrivals`)."""
+        g, per = self.comm.size, self.per
+        # -- EP Step 3: the pair counts per expert of each destination are exchanged (Alltoall) --
+        with comm.step("EP Step 3", f"Alltoall of the pair counts {counts.tolist()} by expert"):
+            got = np.empty_like(counts).reshape(g, per)  # got[s, j]: rows from s for expert j
+            self.comm.Alltoall(counts.reshape(g, per), got, what="routed pairs per expert")
+        send_rows, recv_rows = counts.reshape(g, per).sum(axis=1).tolist(), got.sum(axis=1).tolist()
+
+        # -- EP Step 4: dispatch: the tokens' rows go to their experts' ranks (Alltoallv) --
+        with comm.step("EP Step 4", f"dispatch: rows {send_rows} out to ranks 0..{g - 1}, "
+                                    f"{recv_rows} in"):
+            sent = h[B.xp.concatenate(rows)]  # (pairs, C): by destination, expert, token
+            arrived = self.moved(sent, send_rows, recv_rows, "tokens to experts")
+        return arrived, send_rows, recv_rows, self.arrivals(got)
 
     def moved(self, rows, out_rows, in_rows, what):
         """``rows`` sent over the ep group, ``out_rows[d]`` to rank d; returns what arrives,
