@@ -285,6 +285,40 @@ def test_lesson_7_averaging_mistake_fails_at_the_second_step_s_loss(mpirun):
     assert 1e-10 < rel["adam", 1] < 1e-6, rel
 
 
+# ----------------------------------------------------------------------------- lesson 11
+def test_lesson_11_parameter_counts_are_the_model_s():
+    """Lesson 11 and its exercise 5 count the default MoE GPT's numbers: 33,088 an expert,
+    49,118 outside the experts, 578,526 in all, and a rank's share for ep 2 and 4."""
+    from mpipar import serial
+
+    args = cli.parse_args("serial", ["--model", "gpt", "--experts", "8", "--top-k", "2"])
+    model = serial.Task(args).build_model().init(0)
+    sizes = {name: p.data.size for name, p in model.named_parameters()}
+    expert = sum(n for name, n in sizes.items() if ".mlp.experts.0." in name and "blocks.0" in name)
+    dense = sum(n for name, n in sizes.items() if ".mlp.experts." not in name)
+    assert (expert, dense, sum(sizes.values())) == (33_088, 49_118, 578_526)
+    text = flat(lesson("11-") + (LESSONS / "solutions" / "11-expert-parallel.md").read_text())
+    for g, numbers in ((2, "313,822"), (4, "181,470")):
+        assert f"{dense + 2 * 8 // g * expert:,}" == numbers and numbers in text
+    assert "1,451,760" in text and (dense + 4 * expert) * 8 == 1_451_760
+
+
+def test_lesson_11_exercise_3_table_is_what_the_runs_print():
+    """Each row of the aux-loss coefficient table (20 float64 steps, deterministic) is what
+    the serial trainer prints for that coefficient."""
+    text = (LESSONS / "solutions" / "11-expert-parallel.md").read_text()
+    table = re.findall(r"^\| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$",
+                       text, re.M)
+    assert [row[0] for row in table] == ["0", "0.01", "0.1", "1"], table
+    for coef, train, val, first, second in table:
+        out = subprocess.run([sys.executable, "-m", "mpipar.serial", "--model", "gpt",
+                              "--experts", "8", "--top-k", "2", "--steps", "20", "--dtype",
+                              "float64", "--quiet", "--aux-loss-coef", coef], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120).stdout
+        assert f"final train loss {train}, val loss {val}," in out, out
+        assert re.findall(r"max / mean (\S+)", out) == [first, second], out
+
+
 # ----------------------------------------------------------------------------- lesson 9
 def test_lesson_9_link_numbers_are_the_csv():
     """The table lesson 9 shows is plots/link.csv's run (each rate's DP steps, exposed

@@ -149,6 +149,10 @@ class ExpertsOverEveryRank(X.ExpertParallel):
         self.syncs = [GradSync(self.world, self.dense), GradSync(self.world, self.experts)]
 
 
+# each mistake with a case it gets wrong: (ranks, --ep, --a2a, --micro-batches)
+MISTAKES = [(AuxPerMicroBatch, (4, 4, "mpi", 2)), (ExpertsOverEveryRank, (4, 2, "mpi", 1))]
+
+
 def worst_error(trainer):
     _, want = reference()
     for step in range(STEPS):
@@ -162,8 +166,7 @@ for (n, ep, a2a, micro), got in results.items():
     other = results.get((n, ep, "pairwise", micro)) if a2a == "mpi" else None
     if other is not None and any(not np.array_equal(got[k], other[k]) for k in got):
         fail(f"MPI's and the pairwise all-to-all differ for {(n, ep, micro)}")
-for mistake, case in ((AuxPerMicroBatch, (4, 4, "mpi", 2)), (ExpertsOverEveryRank,
-                                                              (4, 2, "mpi", 1))):
+for mistake, case in MISTAKES:
     err = worst_error(build(*case, cls=mistake))
     if not err > 1e3 * TOL:
         fail(f"the planted {mistake.__name__} passed the comparison (error {err:.1e})")

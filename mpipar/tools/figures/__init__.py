@@ -18,14 +18,18 @@ Each picture runs the real function it shows and draws what that function did:
    micro-batches, as :func:`~mpipar.parts.schedules.simulate` times its instruction lists.
 6. ``grid.png``: the ranks of a 2 x 2 x 2 :class:`~mpipar.mpi.grid.Grid` and the groups its three
    ``Split`` calls form (a stand-in communicator records the colours).
+7. ``dispatch.png``: :class:`~mpipar.expert_parallel.ExpertParallelMoE` on 4 threads: each rank's
+   routing table, the rows it sends to each rank (the counts' Alltoall gives each rank its
+   column), and every row that arrived, identified as (source, token, expert).
 
 Pictures 1-4 live in :mod:`mpipar.tools.figures.collectives`, 5-6 in
-:mod:`mpipar.tools.figures.layouts`, the stand-ins and shared settings in
-:mod:`mpipar.tools.figures.draw`. Each figure function returns the data it drew (lists and rounded
-numbers; a ``*_run`` or ``*_layout`` function computes it without drawing); ``data.json`` next to
-the PNGs holds a SHA-256 of each, and the tests compare it with a fresh run: a picture that no
-longer matches the code is caught, whichever matplotlib version renders the pixels. Left out: a
-picture of ZeRO's shards and of the hybrid's pipeline of tensor-parallel stages.
+:mod:`mpipar.tools.figures.layouts`, 7 in :mod:`mpipar.tools.figures.experts`, the stand-ins and
+shared settings in :mod:`mpipar.tools.figures.draw`. Each figure function returns the data it
+drew (lists and rounded numbers; a ``*_run`` or ``*_layout`` function computes it without
+drawing); ``data.json`` next to the PNGs holds a SHA-256 of each, and the tests compare it with
+a fresh run: a picture that no longer matches the code is caught, whichever matplotlib version
+renders the pixels. Left out: a picture of ZeRO's shards and of the hybrid's pipeline of
+tensor-parallel stages.
 """
 
 import hashlib
@@ -40,11 +44,12 @@ DEFAULT_OUT = Path(__file__).resolve().parents[3] / "lessons" / "figures"
 def figures():
     """name -> function(path) that draws the PNG and returns the data it drew."""
     from mpipar.tools.figures import collectives as C
+    from mpipar.tools.figures import experts as X
     from mpipar.tools.figures import layouts as L
 
     return {"ring": C.ring_figure, "master_vs_ring": C.master_vs_ring_figure,
             "megatron_mlp": C.megatron_figure, "vocab_cross_entropy": C.cross_entropy_figure,
-            "schedules": L.schedules_figure, "grid": L.grid_figure}
+            "schedules": L.schedules_figure, "grid": L.grid_figure, "dispatch": X.dispatch_figure}
 
 
 def digest(data):
