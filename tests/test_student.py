@@ -56,19 +56,37 @@ def test_the_stubs_fail_and_the_reference_passes(copy):
     assert f"{len(student.EXERCISES)} of {len(student.EXERCISES)} exercises passed" in proc.stdout
 
 
+def graded_with(tmp_path, exercise, right, wrong):
+    """The grade of ``exercise`` in a fresh copy whose file holds the reference with the one
+    line(s) ``right`` replaced by ``wrong``."""
+    copy = tmp_path / "copy"
+    student.make(copy)
+    path = student.find(exercise).path
+    source = (ROOT / path).read_text()
+    assert source.count(right) == 1
+    (copy / path).write_text(source.replace(right, wrong))
+    proc, lines = grade(copy, exercise)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    return lines[exercise]
+
+
 def test_a_one_element_mistake_is_named(tmp_path):
     """The reference ring allreduce with one element of each received chunk left unsummed: it
     trains, but not as the serial model does."""
-    copy = tmp_path / "copy"
-    student.make(copy)
-    source = (ROOT / "mpipar" / "data_parallel.py").read_text()
-    right = "        mine += got\n"
-    assert source.count(right) == 1
-    wrong = "        mine[:-1] += got[:-1]  # the last element never summed\n"
-    (copy / "mpipar" / "data_parallel.py").write_text(source.replace(right, wrong))
-    proc, lines = grade(copy, "ring-allreduce")
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert lines["ring-allreduce"].startswith("FAILED: first mismatching parameter "), proc.stdout
+    line = graded_with(tmp_path, "ring-allreduce", "        mine += got\n",
+                       "        mine[:-1] += got[:-1]  # the last element never summed\n")
+    assert line.startswith("FAILED: first mismatching parameter "), line
+
+
+def test_a_dispatch_that_reads_the_arrivals_in_the_wrong_order_is_caught(tmp_path):
+    """The reference dispatch with each expert's rows looked up expert by expert over all the
+    sources, instead of source by source: with 2 experts a rank its experts run on each
+    other's tokens (with 1 a rank the two orders coincide, so the exercise runs 2)."""
+    right = ("        starts = np.cumsum(got.ravel()) - got.ravel()  # source-major, then expert\n"
+             "        starts = starts.reshape(got.shape)\n")
+    wrong = "        starts = (np.cumsum(got.T.ravel()) - got.T.ravel()).reshape(got.T.shape).T\n"
+    line = graded_with(tmp_path, "dispatch", right, wrong)
+    assert line.startswith("FAILED: first mismatching parameter "), line
 
 
 def test_each_exercise_is_graded_on_its_own(tmp_path):

@@ -93,6 +93,15 @@ EXERCISES = [
         2, "pipeline", ["--schedule", "1f1b", "--micro-batches", "4"], MLP,
         ("tests/test_schedules.py::test_exact_1f1b_three_stages_four_micro_batches",
          "tests/test_schedules.py::test_happens_before_and_matched_messages")),
+    Exercise(
+        "dispatch", "mpipar/expert_parallel.py",
+        ("pairwise_alltoallv", "ExpertParallelMoE.dispatch", "ExpertParallelMoE.arrivals"),
+        "the dispatch: exchange the pair counts per expert (Alltoall), send each token's row "
+        "to its expert's rank by P-1 rounds of Sendrecv at the counts' displacements, and "
+        "find each expert's rows in what arrived (lesson 11)",
+        4, "expert_parallel", ["--a2a", "pairwise", "--micro-batches", "2"],
+        [*GPT[:-4], "--batch-size", "8", "--steps", "3", "--experts", "8", "--top-k", "2"],
+        ()),
 ]
 
 
