@@ -116,6 +116,65 @@ def test_tensor_parallel_gpt_counts_every_allreduce_of_the_module():
     assert two["tp_comm_s"] == pytest.approx(m * ((4 * layers + 2) * big + 3 * small))
 
 
+# ----------------------------------------------------------------------------- experts
+MOE = S.GPTSpec(8, 32, 4, 3, 16, blocks_only=True, experts=8, top_k=2)
+
+
+def test_expert_all_to_alls_are_the_counts_and_four_row_exchanges_per_layer():
+    """Per MoE layer and micro-batch: an Alltoall of E/ep int64 counts to each of ep - 1
+    partners, then dispatch, combine and both reversed, each k N (ep-1)/ep rows of C values,
+    pairwise: (ep-1) alpha + bytes beta (mpipar/expert_parallel.py's byte count)."""
+    b, m, ep, c, s, k, e, width = 16, 2, 4, 32, 16, 2, 8, 8  # float64 rows
+    r = S.predict(MOE, HW, dp=4, global_batch=b, n_micro=m, dtype_bytes=width, ep=ep)
+    rows = k * (b / 4 / m) * s * (ep - 1) / ep  # one micro-batch's pairs sent off the rank
+    counts = (ep - 1) * HW.net_alpha + (ep - 1) * (e // ep) * 8 * HW.net_beta
+    exchange = (ep - 1) * HW.net_alpha + rows * c * width * HW.net_beta
+    assert r["ep_comm_s"] == pytest.approx(m * 3 * (counts + 4 * exchange))
+    assert S.predict(MOE, HW, dp=4, global_batch=b, n_micro=m, ep=1)["ep_comm_s"] == 0
+    # the busiest rank's received (and returned) rows scale with the imbalance, not the counts
+    skew = S.predict(MOE, HW, dp=4, global_batch=b, n_micro=m, dtype_bytes=width, ep=ep,
+                     imbalance=1.5)
+    extra = 4 * 0.5 * rows * c * width * HW.net_beta
+    assert skew["ep_comm_s"] - r["ep_comm_s"] == pytest.approx(m * 3 * extra)
+
+
+def test_the_busiest_ranks_expert_flops_scale_with_the_imbalance():
+    """Forward, backward (twice the forward): the experts' FLOPs of the busiest rank times the
+    imbalance; the router's and attention's do not change."""
+    b, ep = 16, 4
+    even, skew = (S.predict(MOE, HW, dp=4, global_batch=b, ep=ep, imbalance=i)
+                  for i in (1.0, 2.0))
+    tokens = b // 4 * MOE.seq_len
+    expert = 2 * (2 * tokens * 32 * 128) * 2  # k = 2 experts of C -> 4C -> C a token
+    assert skew["compute_s"] - even["compute_s"] == pytest.approx(3 * 3 * expert / HW.flops)
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_each_replica_holds_e_over_ep_experts_and_sums_them_over_dp_over_ep(ep):
+    """Parameters per rank: the dense part and 1/ep of the experts; the gradients' allreduce:
+    the dense part over all dp replicas, the experts' over their dp/ep replicas."""
+    dp, width = 4, 8
+    r = S.predict(MOE, HW, dp=dp, global_batch=16, dtype_bytes=width, ep=ep)
+    model = MOE.model()
+    names = [n for n, _ in model.named_parameters()]
+    sizes = dict(zip(names, (p.size for p in model.parameters())))
+    experts = sum(v for n, v in sizes.items() if ".mlp.experts." in n)
+    dense = sum(sizes.values()) - experts
+    assert experts == 3 * 8 * (32 * 128 + 128 + 128 * 32 + 32)  # 8 FeedForwards a block
+    assert r["mem_params_bytes"] == (dense + experts / ep) * width
+    want = S.ring_allreduce_time(dense * width, dp, HW.net_alpha, HW.net_beta) \
+        + S.ring_allreduce_time(experts / ep * width, dp // ep, HW.net_alpha, HW.net_beta)
+    assert r["dp_comm_s"] == pytest.approx(want)
+
+
+def test_a_pipeline_of_experts_is_cut_by_the_dense_flops_as_the_hybrid_cuts():
+    spec = S.GPTSpec(96, 64, 4, 4, 32, experts=8, top_k=2)
+    dense = S.GPTSpec(96, 64, 4, 4, 32)
+    for pp in (2, 3):
+        assert S.predict(spec, HW, dp=2, pp=pp, n_micro=2, schedule="gpipe", ep=2)[
+            "partition"] == S.predict(dense, HW, dp=2, pp=pp, n_micro=2)["partition"]
+
+
 def test_a_measured_allreduce_cost_replaces_the_ring_formula():
     spec = S.GPTSpec(8, 64, 4, 3, 16, blocks_only=True)
     calls = []
@@ -389,6 +448,22 @@ def test_selective_recomputation_adds_attention_core_and_keeps_the_rest():
     (["--pp", "5"], "--pp 5 stages but the model has only 4 layers"),
     (["--dp", "4", "--micro-batches", "4", "--batch-size", "8"],
      "--batch-size 8 cannot give every one of --dp 4 replicas x --micro-batches 4 a row"),
+    (["--experts", "-1"], "argument --experts: expected a whole number >= 0, got '-1'"),
+    (["--experts", "4", "--top-k", "5"], "--top-k 5 of --experts 4: each token goes to 1 to E"),
+    (["--ep", "2", "--dp", "2"], "--ep 2 splits experts: give --experts E"),
+    (["--experts", "6", "--dp", "4", "--ep", "4"], "--ep 4 must divide the --dp 4 replicas "
+                                                    "and the --experts 6"),
+    (["--experts", "8", "--dp", "4", "--ep", "3"], "--ep 3 must divide the --dp 4 replicas"),
+    (["--experts", "8", "--tp", "2"], "--experts takes no --tp"),
+    (["--experts", "8", "--pp", "2"], "--experts with --pp needs --schedule gpipe"),
+    (["--experts", "8", "--dp", "4", "--ep", "4", "--imbalance", "0.5"],
+     "--imbalance 0.5 is below 1"),
+    (["--experts", "8", "--imbalance", "1.5"], "--imbalance 1.5 needs --ep above 1"),
+    (["--experts", "8", "--dp", "4", "--ep", "4", "--imbalance", "4.5"],
+     "--imbalance 4.5 is above 4: the busiest of 4 ranks, holding 2 expert(s), gets at most 2 "
+     "of each token's 2 pairs"),
+    (["--experts", "4", "--dp", "4", "--ep", "4", "--imbalance", "2.5"],
+     "--imbalance 2.5 is above 2: the busiest of 4 ranks, holding 1 expert(s), gets at most 1"),
 ])
 def test_cli_refuses_impossible_input_with_one_error_line(flags, says, capsys):
     """Zero, negative or non-finite numbers once gave negative memory, NaN in the JSON or a

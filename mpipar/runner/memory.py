@@ -166,16 +166,16 @@ def prediction(a, task):
     from mpipar.tools import simulate as S
 
     if a.optim == "sgd" or a.chunks > 1 or a.partition or getattr(a, "sync", "") == "master" \
-            or a.experts \
             or getattr(a, "update", "local") == "master" \
             or getattr(a, "schedule", "1f1b") not in S.schedules.SCHEDULES:
         return None
 
     spec = S.MLPSpec(tuple(a.sizes)) if a.model == "mlp" else \
-        S.GPTSpec(task.data.vocab, a.d_model, a.n_heads, a.n_layers, a.seq_len)
+        S.GPTSpec(task.data.vocab, a.d_model, a.n_heads, a.n_layers, a.seq_len,
+                  experts=a.experts, top_k=a.top_k)
     r = S.predict(spec, S.this_machine(1e9, 0.0, 0.0), a.dp, a.tp, a.pp, a.batch_size,
                   a.micro_batches, getattr(a, "schedule", "1f1b"), np.dtype(B.dtype).itemsize,
-                  getattr(a, "zero", 0), a.recompute)
+                  getattr(a, "zero", 0), a.recompute, ep=getattr(a, "ep", None) or 1)
     return {k: round(r[f"mem_{k}_bytes"]) for k in KINDS[:4]}
 
 
@@ -196,6 +196,6 @@ def lines(probe, a, task, grid):
     predicted = prediction(a, task)
     out.append("cost model (mpipar/tools/simulate.py > predict), its largest rank: " + (
         ", ".join(f"{h} {predicted[k]:,}" for h, k in zip(HEADINGS, KINDS) if k in predicted)
-        if predicted else "no prediction (it models dense models with Adam, one chunk per "
+        if predicted else "no prediction (it models Adam, one chunk per "
                           "stage, the balanced partition, its schedules and a local update)"))
     return out

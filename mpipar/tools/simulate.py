@@ -1,9 +1,11 @@
-"""Cost model: predict a training step's time and memory per rank for a DP x TP x PP layout.
+"""Cost model: predict a training step's time and memory per rank for a DP x TP x PP layout
+(with experts split over EP of the DP replicas).
 
     python -m mpipar.tools.simulate --d-model 64 --n-layers 4 --dp 1 --tp 2 --pp 2 --micro-batches 4
     python -m mpipar.tools.simulate --preset gpt3 --hardware h100 --dp 8 --tp 8 --pp 16
 
     python -m mpipar.tools.simulate --dp 2 --zero 3 --recompute selective
+    python -m mpipar.tools.simulate --dp 4 --ep 4 --experts 8 --top-k 2 --imbalance 1.5
 
 From measured numbers (or published ones for other hardware): the FLOP rate of one device,
 alpha (seconds per message) and beta (seconds per byte) of its links, and on this machine what
@@ -39,6 +41,10 @@ predicts
   gather, filled, viewed and freed, and a fresh full gradient. It does not divide by d: the
   buffers are the whole layer on any number of ranks; only the copies of a rank's own block
   (the whole layer on one rank, 1/d of it on d) shrink, so on d > 1 it errs high by those;
+- experts (``--experts E --top-k k --ep G``): every block's feed-forward a mixture of E
+  experts, k a token; each of G replicas holds E/G of them (memory), and per MoE layer and
+  micro-batch sends the counts and four all-to-alls of the routed rows (:func:`all_to_all_time`;
+  the terms in :func:`predict`); ``--imbalance`` makes the busiest rank's experts slower;
 - recomputation (``--recompute [full|selective]``): full, one more forward in the backward;
   selective, attention's core again;
 - memory per rank: parameters, gradients, optimizer state (Adam: 2 values per parameter,
@@ -59,7 +65,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from mpipar.engine import nn
+from mpipar.engine import moe, nn
 from mpipar.parts import plan, schedules
 from mpipar.tools.bench.common import OneLineParser, number
 from mpipar.tools.hardware import (  # noqa: F401 (the model's machines, imported from here too)
@@ -82,13 +88,21 @@ class GPTSpec:
     n_layers: int
     seq_len: int
     blocks_only: bool = False
+    experts: int = 0  # a mixture of E experts as every block's feed-forward (0: the dense one)
+    top_k: int = 1
 
-    def model(self):
-        """The layer list (shapes only: parameters are never allocated)."""
+    def model(self, dense=False):
+        """The layer list (shapes only: parameters are never allocated); ``dense``: with the
+        plain feed-forward even where the spec has experts."""
         if self.blocks_only:
-            return nn.Sequential((f"blocks.{i}", nn.Block(self.d_model, self.n_heads))
-                                 for i in range(self.n_layers))
-        return nn.GPT(self.vocab, self.d_model, self.n_heads, self.n_layers, self.seq_len)
+            model = nn.Sequential((f"blocks.{i}", nn.Block(self.d_model, self.n_heads))
+                                  for i in range(self.n_layers))
+        else:
+            model = nn.GPT(self.vocab, self.d_model, self.n_heads, self.n_layers, self.seq_len)
+        for name, block in model.layers:
+            if self.experts and not dense and name.startswith("blocks."):
+                block.mlp = moe.MoE(self.d_model, self.experts, self.top_k, 0.0)
+        return model
 
     def input_shape(self, rows):
         return (rows, self.seq_len, self.d_model) if self.blocks_only else (rows, self.seq_len)
@@ -106,7 +120,9 @@ class GPTSpec:
         # recomputation drops the last term, attention's softmax part (their Sec. 5)
         s, h, a = self.seq_len, self.d_model, self.n_heads
         core = 0 if recompute == "selective" else 5 * a * s / (h * tp)
-        return s * rows * h * (10 + 24 / tp + core) * dtype_bytes / 2
+        # with experts, each of a token's k routed copies keeps a feed-forward's 19 s b h
+        routed = 19 * (self.top_k - 1) if self.experts else 0
+        return s * rows * h * (10 + 24 / tp + core + routed) * dtype_bytes / 2
 
 
 @dataclass
@@ -115,7 +131,7 @@ class MLPSpec:
 
     sizes: tuple
 
-    def model(self):
+    def model(self, dense=True):
         return nn.MLP(list(self.sizes))
 
     def input_shape(self, rows):
@@ -145,17 +161,25 @@ ZERO3_CALLS = ("allgather", "allgather", "reduce_scatter")
 def layer_table(spec, micro_rows, tp=1, dtype_bytes=2, recompute=False):
     """Per layer: forward FLOPs for one micro-batch, parameters, its tensor-parallel allreduces
     (of activations, of one number per token: see ``TP_ALLREDUCES``), and the activation bytes
-    it stashes."""
+    it stashes; with experts, also the part of the FLOPs and of the parameters that are the
+    experts', and the layer's dense FLOPs (the pipeline cuts the model by those)."""
     model = spec.model()
     flops = plan.layer_flops(model, spec.input_shape(micro_rows))
-    return [dict(name=name, flops=f, params=sum(p.size for p in layer.parameters()),
+    dense = plan.layer_flops(spec.model(dense=True), spec.input_shape(micro_rows))
+    tokens = (micro_rows, getattr(spec, "seq_len", 1), getattr(spec, "d_model", 1))
+    return [dict(name=name, flops=f, dense_flops=fd, params=sum(p.size for p in layer.parameters()),
+                 expert_params=sum(p.size for n, p in layer.named_parameters()
+                                   if ".experts." in n),
+                 # k experts a token, on average (the router's own FLOPs are not the experts')
+                 expert_flops=sum(plan.flops(m, tokens) - plan.flops(m.router, tokens)
+                                  for m in layer.modules() if isinstance(m, moe.MoE)),
                  tp_allreduces=TP_ALLREDUCES.get(type(layer), (0, 0)),
                  stash=spec.stash_bytes(layer, micro_rows, tp, dtype_bytes, recompute),
                  # attention's core (q k^T, p v: 2 b s^2 h FLOPs each), which selective
                  # recomputation runs again in the backward
                  core=4 * micro_rows * spec.seq_len ** 2 * spec.d_model
                  if isinstance(layer, nn.Block) else 0)
-            for (name, layer), f in zip(model.layers, flops)]
+            for (name, layer), f, fd in zip(model.layers, flops, dense)]
 
 
 def shared_replay(lists, fwd, bwd, extra, message, share, group=1, rounds=20):
@@ -194,8 +218,27 @@ def shared_replay(lists, fwd, bwd, extra, message, share, group=1, rounds=20):
     return timeline
 
 
+def all_to_all_time(n_bytes, p, hw):
+    """One all-to-all in which a rank sends n_bytes in all to its p - 1 partners, pairwise
+    (:func:`mpipar.expert_parallel.pairwise_alltoallv`): p - 1 rounds of one message each, on
+    the data-parallel links (the ranks of an ep group are replicas of the rest)."""
+    return (p - 1) * hw.net_alpha + n_bytes * hw.net_beta if p > 1 else 0.0
+
+
+def moe_exchange_time(spec, hw, micro_rows, ep, imbalance, dtype_bytes):
+    """One MoE layer's all-to-alls for one micro-batch, both passes: the counts (E/ep int64 to
+    each partner), then dispatch, combine and both reversed, each of the busiest rank's
+    ``imbalance`` times k N (ep-1)/ep rows of d_model values."""
+    if not getattr(spec, "experts", 0) or ep == 1:
+        return 0.0
+    rows_sent = spec.top_k * micro_rows * spec.seq_len * (ep - 1) / ep
+    return all_to_all_time((ep - 1) * spec.experts // ep * 8, ep, hw) \
+        + 4 * all_to_all_time(imbalance * rows_sent * spec.d_model * dtype_bytes, ep, hw)
+
+
 def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f1b",
-            dtype_bytes=2, zero=0, recompute=False, compute_share=1.0, stage_share=None):
+            dtype_bytes=2, zero=0, recompute=False, compute_share=1.0, stage_share=None,
+            ep=1, imbalance=1.0):
     """Predicted step time (and its parts) and memory per rank.
 
     ``recompute``: keep only each block's input and recompute its forward in backward (the
@@ -212,14 +255,24 @@ def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f
     pace of ranks in lockstep (the last of k to finish: replicas or tensor-parallel peers
     wait for one another). ``stage_share``, a table of the mean speed of each of k ranks, is
     used instead where every stage is one rank: stages that do not wait for each other are not
-    held back by the slowest."""
+    held back by the slowest.
+
+    With experts (``spec.experts``), ``ep`` of the ``dp`` replicas split them (each holds E/ep
+    of every layer; :mod:`mpipar.expert_parallel`). Per MoE layer and micro-batch a rank sends
+    an Alltoall of E/ep counts to each of its ep - 1 partners, then four all-to-alls of rows
+    (dispatch and combine forward, both again backward) of about k N (ep-1)/ep rows of d_model
+    values for its N tokens, if the router spreads them evenly; each costs (ep-1) alpha
+    (pairwise rounds) + its bytes beta on the data-parallel links (``all_to_all_time``).
+    ``imbalance`` (the busiest expert's tokens over the mean, as the run prints) scales the
+    busiest rank's expert FLOPs and the rows it receives and sends back. The experts' gradients
+    are summed over their dp/ep replicas, the rest over all dp."""
     micro_rows = global_batch / (dp * n_micro)
     if micro_rows < 1:
         raise ValueError(f"global batch {global_batch} is too small for dp={dp} x m={n_micro}")
     rows = max(1, round(micro_rows))
     table = layer_table(spec, rows, tp, dtype_bytes, recompute)
     scale = micro_rows / rows
-    counts = plan.partition([row["flops"] for row in table], pp)  # as the pipeline cuts
+    counts = plan.partition([row["dense_flops"] for row in table], pp)  # as the pipeline cuts
     table_share = compute_share if isinstance(compute_share, dict) else None
     if table_share:  # everything outside the pipeline replay runs with every rank computing
         compute_share = table_share[min(dp * tp * pp, max(table_share))]
@@ -229,13 +282,14 @@ def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f
     per_token = hw.collective_time("allreduce", act_bytes / spec.d_model if isinstance(
         spec, GPTSpec) else 0.0, tp, hw.tp_alpha, hw.tp_beta)
     backward_factor = 3.0 if recompute and recompute != "selective" else 2.0
+    a2a = moe_exchange_time(spec, hw, micro_rows, ep, imbalance, dtype_bytes)
 
-    fwd, bwd, comm, stage_params, stage_stash = [], [], [], [], []
+    fwd, bwd, comm, ep_comm, stage_params, stage_experts, stage_stash = [], [], [], [], [], [], []
     start = 0
     for c in counts:
         layers = table[start:start + c]
         start += c
-        flops = sum(r["flops"] for r in layers) * scale / tp
+        flops = sum(r["flops"] + (imbalance - 1) * r["expert_flops"] for r in layers) * scale / tp
         big = sum(r["tp_allreduces"][0] for r in layers)
         small = sum(r["tp_allreduces"][1] for r in layers)
         fixed = c * hw.layer_overhead
@@ -243,8 +297,12 @@ def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f
         fwd.append(fixed + flops / rate)
         bwd.append(2 * fixed + (backward_factor * flops + core) / rate)
         comm.append((big * allreduce + small * per_token) / 2)  # in each pass: half of them
-        stage_params.append(sum(r["params"] for r in layers) / tp)
+        ep_comm.append(sum(r["expert_flops"] > 0 for r in layers) * a2a / 2)  # as comm
+        stage_experts.append(sum(r["expert_params"] for r in layers) / (ep * tp))
+        stage_params.append(sum(r["params"] - r["expert_params"] for r in layers) / tp
+                            + stage_experts[-1])
         stage_stash.append(sum(r["stash"] for r in layers) * scale)
+    comm = [c + e for c, e in zip(comm, ep_comm)]  # the passes wait for both alike
 
     message = hw.net_alpha + act_bytes * hw.net_beta if pp > 1 else 0.0
     lists = schedules.schedule(schedule, pp, n_micro)
@@ -261,8 +319,12 @@ def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f
     pipeline_time = max(end for events in timeline for _, _, end in events)
     busiest = int(np.argmax([n_micro * (f + b) for f, b in zip(fwd, bwd)]))
 
-    grad_bytes = max(stage_params) * dtype_bytes
-    dp_time = hw.collective_time("allreduce", grad_bytes, dp, hw.net_alpha, hw.net_beta)
+    big = int(np.argmax(stage_params))  # the stage of the most parameters
+    dense_bytes = (stage_params[big] - stage_experts[big]) * dtype_bytes
+    dp_time = hw.collective_time("allreduce", dense_bytes, dp, hw.net_alpha, hw.net_beta)
+    if stage_experts[big]:  # each expert's gradient over its dp/ep replicas
+        dp_time += hw.collective_time("allreduce", stage_experts[big] * dtype_bytes, dp // ep,
+                                      hw.net_alpha, hw.net_beta)
     if zero >= 3:  # per micro-batch and layer Allgather, Allgather, Reduce_scatter
         layers = table[sum(counts[:busiest]):][:counts[busiest]]  # the busiest stage's
         dp_time = n_micro * sum(hw.collective_time(kind, r["params"] / tp * dtype_bytes, dp,
@@ -277,26 +339,29 @@ def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f
 
     compute = update + n_micro * (fwd[busiest] + bwd[busiest]
                                   - 2 * comm[busiest])
-    tp_comm = n_micro * 2 * comm[busiest]
+    a2a_comm = n_micro * 2 * ep_comm[busiest]
+    tp_comm = n_micro * 2 * comm[busiest] - a2a_comm
     pp_comm = 2 * n_micro * message if pp > 1 else 0.0
-    bubble = max(0.0, pipeline_time + update - compute - tp_comm - pp_comm)
+    bubble = max(0.0, pipeline_time + update - compute - tp_comm - a2a_comm - pp_comm)
 
     peak = [schedules.peak_in_flight(ins) for ins in lists]
     params = max(stage_params)
     memory = dict(
         params=params * dtype_bytes / (dp if zero >= 3 else 1),
         grads=params * dtype_bytes / (dp if zero >= 2 else 1),
-        # Adam's m and v in float32, plus a float32 master copy of 16-bit weights: 12 bytes
-        # per parameter in mixed precision (16 with the 16-bit weights and gradients, ZeRO)
-        optimizer=params * (8 + (4 if dtype_bytes < 4 else 0)) / (dp if zero else 1),
+        # Adam's m and v in the parameters' precision, float32 at the least, plus a float32
+        # master copy of 16-bit weights: 12 bytes per parameter in mixed precision (16 with the
+        # 16-bit weights and gradients, ZeRO), 16 in float64
+        optimizer=params * (2 * max(dtype_bytes, 4) + (4 if dtype_bytes < 4 else 0))
+        / (dp if zero else 1),
         activations=max(p * b for p, b in zip(peak, stage_stash)),
     )
     memory["total"] = sum(memory.values())
     tokens = global_batch * getattr(spec, "seq_len", 1)
     return dict(
-        dp=dp, tp=tp, pp=pp, devices=dp * tp * pp, n_micro=n_micro, schedule=schedule,
+        dp=dp, tp=tp, pp=pp, ep=ep, devices=dp * tp * pp, n_micro=n_micro, schedule=schedule,
         step_s=total, compute_s=compute, tp_comm_s=tp_comm, pp_comm_s=pp_comm, bubble_s=bubble,
-        dp_comm_s=dp_time, tokens_per_s=tokens / total,
+        dp_comm_s=dp_time, ep_comm_s=a2a_comm, tokens_per_s=tokens / total,
         model_flops_per_s=6 * sum(r["params"] for r in table) * tokens / total,
         fits=memory["total"] <= hw.memory, partition=counts,
         **{f"mem_{k}_bytes": v for k, v in memory.items()},
@@ -341,6 +406,28 @@ def layout_problem(spec, a):
     if a.pp > n_layers:
         return (f"--pp {a.pp} stages but the model has only {n_layers} layers (embedding, "
                 f"{spec.n_layers} blocks, head): each stage needs at least one")
+    if a.experts and not 1 <= a.top_k <= a.experts:
+        return f"--top-k {a.top_k} of --experts {a.experts}: each token goes to 1 to E experts"
+    if a.ep > 1 and not a.experts:
+        return f"--ep {a.ep} splits experts: give --experts E"
+    if a.experts and (a.dp % a.ep or a.experts % a.ep):
+        return (f"--ep {a.ep} must divide the --dp {a.dp} replicas and the --experts "
+                f"{a.experts}: each of ep replicas holds E/ep experts")
+    if a.experts and a.tp > 1:
+        return "--experts takes no --tp: the experts are split over replicas, not tensor ranks"
+    if a.experts and a.pp > 1 and a.schedule != "gpipe":
+        return ("--experts with --pp needs --schedule gpipe: the load-balancing loss needs every "
+                "micro-batch's routing before the first backward")
+    if a.imbalance < 1:
+        return f"--imbalance {a.imbalance:g} is below 1: it is the busiest rank's over the mean"
+    if a.imbalance > 1 and a.ep == 1:
+        return (f"--imbalance {a.imbalance:g} needs --ep above 1 (and --experts): one rank "
+                f"holding every expert does the mean work")
+    most = a.ep * min(a.top_k, a.experts // a.ep) / a.top_k if a.experts else 1
+    if a.imbalance > most:  # a token's k pairs go to k different experts
+        return (f"--imbalance {a.imbalance:g} is above {most:g}: the busiest of {a.ep} ranks, "
+                f"holding {a.experts // a.ep} expert(s), gets at most "
+                f"{min(a.top_k, a.experts // a.ep)} of each token's {a.top_k} pairs")
     if a.batch_size < a.dp * a.micro_batches:
         return (f"--batch-size {a.batch_size} cannot give every one of --dp {a.dp} replicas x "
                 f"--micro-batches {a.micro_batches} a row: use at least {a.dp * a.micro_batches}")
@@ -372,17 +459,26 @@ def main(argv=None):
                     help="ZeRO stage: shard optimizer state (1), gradients (2), parameters (3)")
     ap.add_argument("--recompute", nargs="?", const="full", choices=["full", "selective"],
                     help="recompute activations in backward (alone: full)")
+    ap.add_argument("--experts", type=number(int, zero_ok=True), default=0,
+                    help="a mixture of E experts as every block's feed-forward (default: dense)")
+    ap.add_argument("--top-k", type=count, default=2, help="experts a token (with --experts)")
+    ap.add_argument("--ep", type=count, default=1,
+                    help="expert-parallel size: the replicas that split the experts")
+    ap.add_argument("--imbalance", type=rate, default=1.0,
+                    help="the rows for the busiest rank's experts over the mean (1: even)")
     ap.add_argument("--json", action="store_true", help="print the prediction as JSON")
     args = ap.parse_args(argv)
     spec = GPT3 if args.preset == "gpt3" else GPTSpec(args.vocab, args.d_model, args.n_heads,
                                                        args.n_layers, args.seq_len)
+    spec = GPTSpec(**dict(asdict(spec), experts=args.experts, top_k=args.top_k))
     problem = layout_problem(spec, args)
     if problem:
         ap.error(problem)
     hw = measured_machine(args.flops, args.alpha, args.beta) if args.hardware == "this" \
         else PRESETS[args.hardware]
     r = predict(spec, hw, args.dp, args.tp, args.pp, args.batch_size, args.micro_batches,
-                args.schedule, args.dtype_bytes, args.zero, args.recompute)
+                args.schedule, args.dtype_bytes, args.zero, args.recompute, ep=args.ep,
+                imbalance=args.imbalance)
     if args.json:  # allow_nan=False: a NaN is an error here, never a silent "NaN" in the output
         print(json.dumps(dict(r, hardware=asdict(hw)), allow_nan=False))
         return
@@ -390,10 +486,13 @@ def main(argv=None):
     print(f"layout dp={args.dp} tp={args.tp} pp={args.pp}, {args.micro_batches} micro-batches, "
           f"{args.schedule}; layers per stage {r['partition']}"
           + (f"; ZeRO-{args.zero}" if args.zero else "")
-          + (f"; recompute {args.recompute}" if args.recompute else ""))
+          + (f"; recompute {args.recompute}" if args.recompute else "")
+          + (f"; {args.experts} experts, top-{args.top_k}, ep={args.ep}, imbalance "
+             f"{args.imbalance:g}" if args.experts else ""))
     print(f"predicted step {_ms(r['step_s'])}: compute {_ms(r['compute_s'])}, tensor-parallel "
           f"comm {_ms(r['tp_comm_s'])}, pipeline comm {_ms(r['pp_comm_s'])}, bubble "
-          f"{_ms(r['bubble_s'])}, data-parallel comm {_ms(r['dp_comm_s'])}")
+          f"{_ms(r['bubble_s'])}, data-parallel comm {_ms(r['dp_comm_s'])}"
+          + (f", expert all-to-alls {_ms(r['ep_comm_s'])}" if args.experts else ""))
     print(f"throughput {r['tokens_per_s']:,.0f} tokens/s")
     mem = {k[4:-6]: v for k, v in r.items() if k.startswith("mem_")}
     print("memory per rank: " + ", ".join(f"{k} {_gb(v)}" for k, v in mem.items())
