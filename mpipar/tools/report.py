@@ -49,8 +49,8 @@ from mpipar.tools.validate import (  # noqa: E402
 # bench wait (about 4 minutes) is run on its own; its section reads the CSV it left in plots/.
 # bench link (about 5 minutes) runs after these when this machine can emulate hosts (root,
 # network namespaces: run_link); otherwise its section keeps the committed link.csv
-BENCHES = ["engine", "overhead", "flops", "net", "dp", "tp", "pp", "pp_wide", "hybrid", "ckpt",
-           "memory"]
+BENCHES = ["engine", "overhead", "flops", "net", "dp", "tp", "pp", "pp_wide", "hybrid", "experts",
+           "ckpt", "memory"]
 
 
 def _true(value):
