@@ -319,6 +319,21 @@ def test_lesson_11_exercise_3_table_is_what_the_runs_print():
         assert re.findall(r"max / mean (\S+)", out) == [first, second], out
 
 
+def test_lesson_11_exercise_7_all_to_alls_are_the_cost_model_s():
+    """The hand count of exercise 7 (1.086528 ms, and 1.479744 ms at --imbalance 1.5) is what
+    the cost model predicts for the command the exercise gives."""
+    text = (LESSONS / "solutions" / "11-expert-parallel.md").read_text()
+    spec = S.GPTSpec(96, 64, 4, 2, 32, experts=8, top_k=2)
+    hw = S.this_machine(1e9, 1e-5, 1e-9)
+    for imbalance, seconds, shown in ((1.0, 1.086528e-3, "1.087 ms"),
+                                      (1.5, 1.479744e-3, "1.480 ms")):
+        r = S.predict(spec, hw, dp=4, global_batch=32, dtype_bytes=4, ep=4,
+                      imbalance=imbalance)
+        assert r["ep_comm_s"] == pytest.approx(seconds, rel=1e-12)
+        assert f"{seconds * 1e3:.6f} ms" in text and shown in text
+    assert "98,304 bytes" in text and "147,456 bytes" in text
+
+
 # ----------------------------------------------------------------------------- lesson 9
 def test_lesson_9_link_numbers_are_the_csv():
     """The table lesson 9 shows is plots/link.csv's run (each rate's DP steps, exposed
