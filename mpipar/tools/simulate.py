@@ -91,6 +91,12 @@ class GPTSpec:
     experts: int = 0  # a mixture of E experts as every block's feed-forward (0: the dense one)
     top_k: int = 1
 
+    def __str__(self):
+        """The fields as the dataclass shows them, the experts' only where there are some."""
+        shown = {k: v for k, v in asdict(self).items()
+                 if self.experts or k not in ("experts", "top_k")}
+        return "GPTSpec(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
+
     def model(self, dense=False):
         """The layer list (shapes only: parameters are never allocated); ``dense``: with the
         plain feed-forward even where the spec has experts."""
