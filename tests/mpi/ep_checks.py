@@ -22,7 +22,7 @@ experts' gradients summed over every rank instead of over their replicas.
 import sys
 
 import numpy as np
-from reference import make_task, serial_run
+from reference import make_task, relative, serial_run, worst_error
 
 from mpipar import expert_parallel as X
 from mpipar.data_parallel import GradSync
@@ -62,10 +62,6 @@ def build(n, ep, a2a, micro, cls=X.ExpertParallel):
     task = make_task([*GPT, "--ep", str(ep), "--a2a", a2a, "--micro-batches", str(micro)],
                      "expert_parallel", n)
     return cls(task, sub_grid(n, ep), task.args)
-
-
-def relative(got, want):
-    return float(np.abs(got - want).max() / np.abs(want).max())
 
 
 def routed_pairs_sent(trainer):
@@ -153,21 +149,13 @@ class ExpertsOverEveryRank(X.ExpertParallel):
 MISTAKES = [(AuxPerMicroBatch, (4, 4, "mpi", 2)), (ExpertsOverEveryRank, (4, 2, "mpi", 1))]
 
 
-def worst_error(trainer):
-    _, want = reference()
-    for step in range(STEPS):
-        trainer.step(step)
-    return max(relative(B.to_numpy(p.data), want[name])
-               for name, p in trainer.model.named_parameters())
-
-
 results = {case: check_case(*case) for case in CASES}  # a 2-rank case: ranks 0-1 and 2-3
 for (n, ep, a2a, micro), got in results.items():
     other = results.get((n, ep, "pairwise", micro)) if a2a == "mpi" else None
     if other is not None and any(not np.array_equal(got[k], other[k]) for k in got):
         fail(f"MPI's and the pairwise all-to-all differ for {(n, ep, micro)}")
 for mistake, case in MISTAKES:
-    err = worst_error(build(*case, cls=mistake))
+    err = worst_error(build(*case, cls=mistake), reference()[1], STEPS)
     if not err > 1e3 * TOL:
         fail(f"the planted {mistake.__name__} passed the comparison (error {err:.1e})")
     C.log(f"planted {mistake.__name__}: caught, worst parameter error {err:.1e}")

@@ -2,6 +2,8 @@
 (:func:`mpipar.runner.cli.parse_args`), and the serial reference run every scheme is compared with.
 """
 
+import numpy as np
+
 from mpipar import serial
 from mpipar.engine import backend as B
 from mpipar.runner.cli import parse_args
@@ -33,3 +35,17 @@ def serial_run(task, steps):
     losses = [serial.train_step(model, task.loss_fn, opt, *task.to_device(*task.batch(s)))
               for s in range(steps)]
     return losses, {n: B.to_numpy(p.data).copy() for n, p in model.named_parameters()}, opt
+
+
+def relative(got, want):
+    """The largest difference over the largest value: a tensor's relative error."""
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+def worst_error(trainer, want, steps):
+    """Train ``trainer`` ``steps`` steps; the worst relative error of its parameters against
+    the serial ones ``want``: how far a planted mistake drifts."""
+    for step in range(steps):
+        trainer.step(step)
+    return max(relative(B.to_numpy(p.data), want[name])
+               for name, p in trainer.model.named_parameters())
