@@ -108,6 +108,9 @@ def trainer_class(scheme, a):
     if scheme == "expert_parallel":
         from mpipar import expert_parallel as E
         return E.ExpertParallel
+    if scheme == "context_parallel":
+        from mpipar import context_parallel as X
+        return X.ContextParallel
     from mpipar import hybrid as H
     return H.Hybrid
 
@@ -186,6 +189,9 @@ def main(scheme, argv=None, trainer_cls=None):
     elif scheme == "expert_parallel":  # its Step 1 too: the ep and expert-replica groups
         from mpipar.expert_parallel import make_grid
         grid = make_grid(a.ep)
+    elif scheme == "context_parallel":  # its Step 1 too: the cp groups
+        from mpipar.context_parallel import make_grid
+        grid = make_grid(a.cp)
     else:
         grid = None if scheme == "serial" else Grid(a.dp, a.tp, a.pp)
     if scheme == "hybrid" and a.print_grid:

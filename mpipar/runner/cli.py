@@ -19,7 +19,8 @@ from mpipar.parts.plan import DEFAULTS, activation_bytes, memory_bytes, tp_size_
 from mpipar.parts.schedules import CHOICES, SCHEDULES, SPLIT
 from mpipar.runner.flags import PROGS, common_flags, scheme_flags
 
-SCHEMES = ("serial", "data_parallel", "tensor_parallel", "pipeline", "hybrid", "expert_parallel")
+SCHEMES = ("serial", "data_parallel", "tensor_parallel", "pipeline", "hybrid", "expert_parallel",
+           "context_parallel")
 
 # ----------------------------------------------------------------------------- refusals
 def layer_names(task):
@@ -40,7 +41,7 @@ def _bad_partition(a, n_pieces, task):
 
 
 ALL, DP, TP, PP, HY = SCHEMES, ("data_parallel",), ("tensor_parallel",), ("pipeline",), ("hybrid",)
-EP = ("expert_parallel",)
+EP, CP = ("expert_parallel",), ("context_parallel",)
 # (schemes, condition(a), message): checked in order on the flags alone; the first that holds
 # is refused. ``a.n`` is the number of ranks, ``a.stages`` the pipeline's.
 FLAG_RULES = [
@@ -74,7 +75,7 @@ FLAG_RULES = [
      "--top-k {a.top_k} of --experts {a.experts}: each token goes to between 1 and E experts"),
     (ALL, lambda a: a.experts and not 0 <= a.aux_loss_coef < math.inf,
      "--aux-loss-coef must be 0 or more and finite, got {a.aux_loss_coef}"),
-    (DP + TP + PP, lambda a: a.experts,
+    (DP + TP + PP + CP, lambda a: a.experts,
      "--experts trains on the serial, expert-parallel and hybrid trainers only so far: run "
      "python -m mpipar.serial, mpipar.expert_parallel or mpipar.hybrid"),
     (HY, lambda a: not a.experts and a.ep != 1, "--ep {a.ep} splits experts: give --experts E"),
@@ -106,6 +107,23 @@ FLAG_RULES = [
     (EP, lambda a: a.recompute,
      "--recompute is not in the expert-parallel trainer: running a layer's forward again would "
      "repeat its all-to-alls"),
+    (CP, lambda a: a.model != "gpt",
+     "context parallelism splits the GPT's sequences, and the MLP has none: use --model gpt"),
+    (CP, lambda a: a.cp < 1 or a.n % a.cp,
+     "--cp {a.cp} must be at least 1 and divide the job's {a.n} ranks into context-parallel "
+     "groups"),
+    (CP, lambda a: a.cp_algo == "zigzag" and a.seq_len % (2 * a.cp),
+     "--cp-algo zigzag cuts each sequence into 2 x {a.cp} chunks, but --seq-len {a.seq_len} is "
+     "not divisible by {a.cp2}: use a multiple of {a.cp2}"),
+    (CP, lambda a: a.cp_algo != "zigzag" and a.seq_len % a.cp,
+     "--cp-algo {a.cp_algo} cuts each sequence into {a.cp} chunks, but --seq-len {a.seq_len} "
+     "is not divisible by {a.cp}: use a multiple of {a.cp}"),
+    (CP, lambda a: a.cp_algo == "ulysses" and a.n_heads % a.cp,
+     "--cp-algo ulysses gives each of the {a.cp} ranks of a group whole heads, but --n-heads "
+     "{a.n_heads} is not divisible by {a.cp}: use ring or zigzag, or another --cp"),
+    (CP, lambda a: a.recompute,
+     "--recompute is not in the context-parallel trainer: running attention's forward again "
+     "would repeat its exchanges"),
     (ALL, lambda a: activation_bytes(a) > memory_bytes(),
      "--batch-size {a.batch_size} would need about {a.need_gib:.1f} GiB of activations in one "
      "step, more than this machine's {a.have_gib:.1f} GiB: use a smaller batch or model"),
@@ -129,9 +147,9 @@ FLAG_RULES = [
     (TP + HY, lambda a: a.sequence_parallel and a.model == "gpt" and a.seq_len % a.tp,
      "--sequence-parallel splits each sequence over the {a.tp} tensor-parallel ranks, but "
      "--seq-len {a.seq_len} is not divisible by {a.tp}: use a multiple of {a.tp}"),
-    (DP + PP + HY + EP, lambda a: a.micro_batches < 1,
+    (DP + PP + HY + EP + CP, lambda a: a.micro_batches < 1,
      "--micro-batches must be positive, got {a.micro_batches}"),
-    (DP + HY + EP, lambda a: a.batch_size < a.replicas * a.micro_batches,
+    (DP + HY + EP + CP, lambda a: a.batch_size < a.replicas * a.micro_batches,
      "the global batch of {a.batch_size} rows cannot be split over {a.replicas} {a.replica} x "
      "{a.micro_batches} micro-batch(es): every {a.one_replica} needs at least one row per "
      "micro-batch (use --batch-size >= {a.rows_needed}, or fewer {a.replica} or micro-batches)"),
@@ -227,7 +245,8 @@ def complete(a, scheme, n):
         if getattr(a, key) is None:
             setattr(a, key, value)
     absent = dict(explain=False, micro_batches=1, chunks=1, partition=None, bucket_mb=None,
-                  overlap=False, dp=1, tp=1, pp=1, sequence_parallel=False, ep=1, a2a="mpi")
+                  overlap=False, dp=1, tp=1, pp=1, sequence_parallel=False, ep=1, a2a="mpi",
+                  cp=1, cp_algo="ring")
     for key in [key for key in absent if not hasattr(a, key)]:
         setattr(a, key, absent[key])
     a.dp, a.tp, a.pp = {"data_parallel": (n, 1, 1), "tensor_parallel": (1, n, 1),
@@ -237,6 +256,9 @@ def complete(a, scheme, n):
         a.ep = n  # every rank holds E/n experts
     if scheme == "hybrid" and a.ep is None:
         a.ep = 1  # every replica holds every expert
+    if scheme == "context_parallel":
+        a.cp = n if a.cp is None else a.cp  # every rank holds 1/n of each sequence
+        a.dp, a.cp2 = max(n // a.cp, 1) if a.cp >= 1 else 1, 2 * a.cp  # the replicas
     if scheme == "hybrid" and a.dp is None and min(a.tp, a.pp) >= 1:
         a.dp = max(n // (a.tp * a.pp), 1)
     if scheme == "pipeline":
@@ -247,7 +269,8 @@ def complete(a, scheme, n):
         a.stages = a.pp
         if a.micro_batches is None:  # 4, or fewer when a replica has fewer rows
             a.micro_batches = max(1, min(4, a.batch_size // max(a.dp or 1, 1)))
-    a.replicas, a.one_replica = a.dp, "replica" if scheme == "hybrid" else "rank"
+    a.replicas, a.one_replica = a.dp, "replica" if scheme in ("hybrid", "context_parallel") \
+        else "rank"
     a.replica = a.one_replica + "s"  # the words of the batch refusal
     a.rows_needed = (a.dp or 1) * a.micro_batches
     return a

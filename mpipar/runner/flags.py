@@ -27,7 +27,7 @@ def common_flags(ap, scheme):
     """The flags every trainer shares. Per-model defaults (steps, batch, lr, optimizer) are
     filled in after parsing (:data:`mpipar.parts.plan.DEFAULTS`), so ``--help`` names them per
     model."""
-    deep = scheme in ("pipeline", "hybrid", "expert_parallel")  # the GPT: layers, experts
+    deep = scheme in ("pipeline", "hybrid", "expert_parallel", "context_parallel")  # the GPT
     g = ap.add_argument_group("training (shared by every scheme)")
     g.add_argument("--model", choices=["mlp", "gpt"], default="gpt" if deep else "mlp",
                    help="mlp: MLP on 8x8 digits; gpt: character-level GPT on text (default "
@@ -157,6 +157,17 @@ def scheme_flags(ap, scheme):
         g.add_argument("--micro-batches", type=int, default=1,
                        help="pieces of each rank's rows, every forward before any backward "
                             "(default 1)")
+    elif scheme == "context_parallel":
+        g = ap.add_argument_group("context parallelism")
+        g.add_argument("--cp", type=int, metavar="G",
+                       help="ranks each sequence is split over (default: all P; with G < P "
+                            "the P/G groups are data-parallel replicas)")
+        g.add_argument("--cp-algo", choices=["ring", "zigzag", "ulysses"], default="ring",
+                       help="ring: K and V around the ring, contiguous chunks (default); "
+                            "zigzag: the ring with chunks r and 2G-1-r, balanced; ulysses: "
+                            "all-to-alls from sequence shards to head shards")
+        g.add_argument("--micro-batches", type=int, default=1,
+                       help="pieces of each replica's rows (default 1)")
     elif scheme == "hybrid":
         g = ap.add_argument_group("the process grid")
         g.add_argument("--dp", type=int, help="data-parallel replicas (default: N // (tp*pp))")
@@ -181,4 +192,5 @@ PROGS = {"serial": "Train the reference model on one process.",  # each scheme's
          "tensor_parallel": "Train with every large matrix split over P ranks.",
          "pipeline": "Train across P pipeline stages (one per rank).",
          "hybrid": "Train with data x tensor x pipeline parallelism on N = dp*tp*pp ranks.",
-         "expert_parallel": "Train a mixture of experts with its experts split over P ranks."}
+         "expert_parallel": "Train a mixture of experts with its experts split over P ranks.",
+         "context_parallel": "Train the GPT with every sequence split over P ranks."}

@@ -34,6 +34,7 @@ class Report:
         self.n_params = sum(p.size for p in task.build_model().parameters())
         self.desc = {"data_parallel": f"dp x{a.dp}", "tensor_parallel": f"tp x{a.tp}",
                      "expert_parallel": f"ep {a.ep} x{a.n // a.ep}",
+                     "context_parallel": f"cp {a.cp} {a.cp_algo} x{a.dp}",
                      "hybrid": f"hybrid {a.dp}x{a.tp}x{a.pp}"}.get(a.scheme, a.scheme)
         self.after_step = None
         self.failed = []  # outputs that could not be written: the run ends with them, code 1
@@ -207,9 +208,21 @@ class ExpertParallelReport(Report):
                 f"micro-batch(es)), {self.tail()}")
 
 
+class ContextParallelReport(Report):
+    def header(self):
+        a = self.a
+        return (f"context_parallel: {a.model} with {self.n_params:,} parameters on {a.n} "
+                f"ranks: cp groups of {a.cp} ({a.cp_algo} attention, "
+                f"{a.seq_len // a.cp} of each sequence's {a.seq_len} tokens a rank), {a.dp} "
+                f"replica(s), {self.training()} (rows per replica "
+                f"{comm.split_rows(a.batch_size, a.dp)}, {a.micro_batches} micro-batch(es)), "
+                f"{self.tail()}")
+
+
 REPORTS = {"serial": Report, "data_parallel": DataParallelReport,
            "tensor_parallel": TensorParallelReport, "pipeline": PipelineReport,
-           "hybrid": HybridReport, "expert_parallel": ExpertParallelReport}
+           "hybrid": HybridReport, "expert_parallel": ExpertParallelReport,
+           "context_parallel": ContextParallelReport}
 
 
 def formula_text(schedule, p, m, v):
