@@ -51,6 +51,10 @@ the backward sends them G-1 times and dK, dV G times. Ulysses sends 3 b n C w (G
 k, v and b n C w (G-1)/G for the output, forward, and the same backward: the formulas of
 lessons/formulas.md, which the tests count.
 
+Each rank's attention compute is traced (spans of kind "attention"): the run ends with each
+rank's time a step and their mean over the busiest, which the causal work bounds by G/(2G-1)
+for the ring and 1 for the zigzag and Ulysses (lessons/formulas.md#context-parallelism).
+
 Run::
 
     mpirun -n 4 python -m mpipar.context_parallel --cp-algo ring
@@ -72,6 +76,7 @@ from mpipar.mpi import comm
 from mpipar.mpi.direct import communicator
 from mpipar.mpi.failure import watched
 from mpipar.mpi.grid import Grid
+from mpipar.mpi.trace import TRACE
 from mpipar.runner.trainer import Trainer
 
 ALGOS = ("ring", "zigzag", "ulysses")
@@ -187,9 +192,10 @@ class RingAttention(nn.CausalSelfAttention):
                         self.comm.Isend(kv, (r + 1) % g, what=f"K, V of rank {source}")]
             theirs, _ = chunks_of(source, g, self.algo)
             ks, vs = (B.xp.split(t, len(theirs), axis=2) for t in kv)
-            for i, jj, causal in pairs(mine, theirs):
-                o, s = block_attention(qs[i], ks[jj], vs[jj], causal)
-                out[i], lse[i] = self.merge(out[i], lse[i], o, s)
+            with TRACE.span("attention", "ring forward", source=source):
+                for i, jj, causal in pairs(mine, theirs):
+                    o, s = block_attention(qs[i], ks[jj], vs[jj], causal)
+                    out[i], lse[i] = self.merge(out[i], lse[i], o, s)
             if j < g - 1:
                 for req in reqs:
                     req.wait()
@@ -224,12 +230,13 @@ class RingAttention(nn.CausalSelfAttention):
                         self.comm.Isend(kv, (r + 1) % g, what=f"K, V of rank {source}")]
             ks, vs = (B.xp.split(t, len(theirs), axis=2) for t in kv)
             dks, dvs = (B.xp.split(t, len(theirs), axis=2) for t in dkv)  # views: += lands
-            for i, jj, causal in pairs(mine, theirs):
-                p = B.xp.exp(scores(qs[i], ks[jj], causal) - lses[i])  # the final weights
-                dvs[jj] += p.transpose(0, 1, 3, 2) @ dys[i]
-                ds = p * (dys[i] @ vs[jj].transpose(0, 1, 3, 2) - dots[i]) * scale
-                dq[i] += ds @ ks[jj]
-                dks[jj] += ds.transpose(0, 1, 3, 2) @ qs[i]
+            with TRACE.span("attention", "ring backward", source=source):
+                for i, jj, causal in pairs(mine, theirs):
+                    p = B.xp.exp(scores(qs[i], ks[jj], causal) - lses[i])  # the final weights
+                    dvs[jj] += p.transpose(0, 1, 3, 2) @ dys[i]
+                    ds = p * (dys[i] @ vs[jj].transpose(0, 1, 3, 2) - dots[i]) * scale
+                    dq[i] += ds @ ks[jj]
+                    dks[jj] += ds.transpose(0, 1, 3, 2) @ qs[i]
             if j < g - 1:
                 for req in reqs:
                     req.wait()
@@ -287,7 +294,8 @@ class UlyssesAttention(nn.CausalSelfAttention):
         with comm.step("CP Step 6", f"Ulysses: Alltoall of q, k, v to {self.n_local_heads} "
                                     f"head(s) a rank, every token"):
             mine = self.to_heads(qkv, 3, "q, k, v: tokens to heads")
-        y = super().attend(mine, micro_id)  # (B, T, C/G): the serial core on these heads
+        with TRACE.span("attention", "Ulysses forward"):
+            y = super().attend(mine, micro_id)  # (B, T, C/G): the serial core, these heads
         with comm.step("CP Step 6", "Ulysses: Alltoall of the output back to its tokens"):
             return self.to_tokens(y, 1, "output: heads to tokens")
 
@@ -295,7 +303,8 @@ class UlyssesAttention(nn.CausalSelfAttention):
         # -- CP Step 6: the backward, the two all-to-alls in reverse --
         with comm.step("CP Step 6", "Ulysses backward: Alltoall of d output to the heads"):
             d = self.to_heads(dy, 1, "d output: tokens to heads")
-        d = super().attend_backward(d, micro_id)  # (B, T, 3C/G)
+        with TRACE.span("attention", "Ulysses backward"):
+            d = super().attend_backward(d, micro_id)  # (B, T, 3C/G)
         with comm.step("CP Step 6", "Ulysses backward: Alltoall of dq, dk, dv to the tokens"):
             return self.to_tokens(d, 3, "dq, dk, dv: heads to tokens")
 

@@ -93,6 +93,16 @@ def test_command_line_matches_serial_and_narrates_every_step(mpirun, tmp_path, c
     assert "[rank 1] CP Step 1: rank 1 is rank 1 of a cp group of 4: chunk(s) [1, 6] of 8 " \
            "of every sequence, 4 of its 16 tokens" in out, out
     assert re.search(r"\[rank 2, cp 2\] Sendrecv +-> 3, <- 1 .*\(dK, dV of rank 2\)", out), out
+    assert re.search(r"attention compute per rank \(traced, median of 2 step\(s\); varies\): "
+                     r"(\d+\.\d+, ){3}\d+\.\d+ ms a step; mean over the busiest \d\.\d+, where "
+                     r"the layout allows 1: every rank the same work", out), out
+
+
+def test_the_ring_reports_its_attention_balance_against_the_formula(mpirun):
+    out = mpirun(4, ["-m", "mpipar.context_parallel", *TINY, "--steps", "1"], timeout=90).stdout
+    assert "where the layout allows G/(2G-1) = 0.571 for the causal work, (G+1)/(2G) = 0.625 " \
+           "for the blocks computed here (a diagonal block whole)" in out, out
+    assert "attention compute per rank (traced, median of 1 step(s); varies)" in out, out
 
 
 def test_ulysses_narrates_its_all_to_alls(mpirun, tmp_path, capsys):

@@ -209,6 +209,31 @@ class ExpertParallelReport(Report):
 
 
 class ContextParallelReport(Report):
+    """The context-parallel run, and after it each rank's traced attention compute a step
+    against the balance the layout allows."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.attention = deque(maxlen=WINDOW)  # seconds of attention compute, step by step
+        self.after_step = lambda: self.attention.append(
+            sum(t1 - t0 for t0, t1, kind, _, _ in TRACE.events if kind == "attention"))
+
+    def lines(self):
+        steps = list(self.attention)[1:] or list(self.attention)  # the first warms up
+        mine = sorted(steps)[len(steps) // 2]
+        times = self.grid.dp_comm.gather_obj(mine)
+        if times is None:
+            return [], []
+        a, g = self.a, self.a.cp
+        bound = {"ring": f"G/(2G-1) = {g / (2 * g - 1):.3f} for the causal work, "
+                         f"(G+1)/(2G) = {(g + 1) / (2 * g):.3f} for the blocks computed here "
+                         f"(a diagonal block whole)"}.get(a.cp_algo, "1: every rank the same "
+                                                                    "work")
+        return [], [f"attention compute per rank (traced, median of {len(steps)} step(s); "
+                    f"varies): {', '.join(f'{1e3 * t:.2f}' for t in times)} ms a step; mean "
+                    f"over the busiest {sum(times) / len(times) / max(max(times), 1e-12):.2f}, "
+                    f"where the layout allows {bound}"]
+
     def header(self):
         a = self.a
         return (f"context_parallel: {a.model} with {self.n_params:,} parameters on {a.n} "
