@@ -14,7 +14,7 @@ from conftest import ROOT
 from mpipar.mpi.grid import Grid
 from mpipar.parts.schedules import bubble_formula, schedule, simulate, simulated_bubble
 from mpipar.tools import figures
-from mpipar.tools.figures import collectives, experts, layouts
+from mpipar.tools.figures import collectives, context, experts, layouts
 from mpipar.tools.figures.draw import ThreadRanks, pyplot
 
 COMMITTED = ROOT / "lessons" / "figures"
@@ -131,6 +131,23 @@ def test_dispatch_picture_is_the_routing_transposed():
     assert [len(a) for a in d["arrivals"]] == [sum(row[r] for row in d["sent"]) for r in range(g)]
     assert all(e // per == r for r, a in enumerate(d["arrivals"]) for _, _, e in a)
     assert d["serial_error"] < 1e-12
+
+
+def test_ring_picture_is_the_causal_pairs_the_layer_computes():
+    """The plain ring gives rank r r full blocks and its diagonal (work 4r + 2 zigzag chunk
+    pairs: a balance of G/(2G-1)); the zigzag gives every rank 2G of them. Each layout's output
+    on the stand-in ranks is the serial attention core's."""
+    ring, zigzag = context.ring_run("ring"), context.ring_run("zigzag")
+    g = ring["g"]
+    assert ring["work"] == [4 * r + 2 for r in range(g)]
+    assert zigzag["work"] == [2 * g] * g
+    assert ring["balance"] == pytest.approx(g / (2 * g - 1), abs=1e-6)
+    assert zigzag["balance"] == 1
+    for d in (ring, zigzag):
+        assert d["serial_error"] < 1e-12
+        for r, row in enumerate(d["steps"]):
+            assert [cell["source"] for cell in row] == [(r - j) % g for j in range(g)]
+    assert [len(cell["pairs"]) for cell in ring["steps"][2]] == [1, 1, 1, 0]
 
 
 def test_an_error_on_one_stand_in_rank_ends_them_all():

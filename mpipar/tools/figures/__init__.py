@@ -21,9 +21,13 @@ Each picture runs the real function it shows and draws what that function did:
 7. ``dispatch.png``: :class:`~mpipar.expert_parallel.ExpertParallelMoE` on 4 threads: each rank's
    routing table, the rows it sends to each rank (the counts' Alltoall gives each rank its
    column), and every row that arrived, identified as (source, token, expert).
+8. ``context_ring.png``: :class:`~mpipar.context_parallel.RingAttention` on 4 threads, plain and
+   zigzag: at each step of the ring, whose keys a rank holds and which (query chunk, key chunk)
+   pairs it attends, skips or masks; its output checked against the serial attention core.
 
 Pictures 1-4 live in :mod:`mpipar.tools.figures.collectives`, 5-6 in
-:mod:`mpipar.tools.figures.layouts`, 7 in :mod:`mpipar.tools.figures.experts`, the stand-ins and
+:mod:`mpipar.tools.figures.layouts`, 7 in :mod:`mpipar.tools.figures.experts`, 8 in
+:mod:`mpipar.tools.figures.context`, the stand-ins and
 shared settings in :mod:`mpipar.tools.figures.draw`. Each figure function returns the data it
 drew (lists and rounded numbers; a ``*_run`` or ``*_layout`` function computes it without
 drawing); ``data.json`` next to the PNGs holds a SHA-256 of each, and the tests compare it with
@@ -44,12 +48,14 @@ DEFAULT_OUT = Path(__file__).resolve().parents[3] / "lessons" / "figures"
 def figures():
     """name -> function(path) that draws the PNG and returns the data it drew."""
     from mpipar.tools.figures import collectives as C
+    from mpipar.tools.figures import context as R
     from mpipar.tools.figures import experts as X
     from mpipar.tools.figures import layouts as L
 
     return {"ring": C.ring_figure, "master_vs_ring": C.master_vs_ring_figure,
             "megatron_mlp": C.megatron_figure, "vocab_cross_entropy": C.cross_entropy_figure,
-            "schedules": L.schedules_figure, "grid": L.grid_figure, "dispatch": X.dispatch_figure}
+            "schedules": L.schedules_figure, "grid": L.grid_figure, "dispatch": X.dispatch_figure,
+            "context_ring": R.ring_figure}
 
 
 def digest(data):

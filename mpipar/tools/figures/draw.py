@@ -35,10 +35,13 @@ class ThreadRanks:
     """P threads standing in for P ranks, each running ``fn(comm)``. The comm offers the calls
     the pictured functions make, Sendrecv, Allreduce and Alltoall, with MPI's meaning: every
     rank posts a copy of its buffer, waits for the others (a barrier), then reads what it is
-    owed. ``on_send(rank, sendbuf)``, when set, sees each Sendrecv before the exchange."""
+    owed. ``on_send(rank, sendbuf)``, when set, sees each Sendrecv before the exchange. Irecv
+    then Isend, posted by every rank in that order (a ring's next block), exchange at the
+    Isend; their requests' ``wait`` has nothing left to do."""
 
     def __init__(self, size, on_send=None):
         self.size, self.on_send, self.box, self.allreduces = size, on_send, {}, []
+        self.receives = {r: [] for r in range(size)}  # each rank's posted Irecvs, in order
         self.barrier = threading.Barrier(size, timeout=30)
 
     def run(self, fn):
@@ -48,6 +51,8 @@ class ThreadRanks:
             try:
                 results[rank] = fn(SimpleNamespace(rank=rank, size=self.size,
                                                    Sendrecv=self._sendrecv(rank),
+                                                   Irecv=self._irecv(rank),
+                                                   Isend=self._isend(rank),
                                                    Allreduce=self._allreduce(rank),
                                                    Alltoall=self._alltoall(rank)))
             except Exception as err:  # a broken barrier lets the other threads end too
@@ -77,6 +82,22 @@ class ThreadRanks:
             assert to == rank, f"rank {source} sent to {to}, but rank {rank} receives from it"
             recvbuf[...] = data
         return Sendrecv
+
+    def _irecv(self, rank):
+        def Irecv(buf, source, tag=0, what=""):
+            self.receives[rank].append((buf, source))
+            return SimpleNamespace(wait=lambda: None)
+        return Irecv
+
+    def _isend(self, rank):
+        def Isend(buf, dest, tag=0, what=""):
+            posted = self._exchange(rank, (dest, buf.copy()))
+            recvbuf, source = self.receives[rank].pop(0)
+            to, data = posted[source]
+            assert to == rank, f"rank {source} sent to {to}, but rank {rank} receives from it"
+            recvbuf[...] = data
+            return SimpleNamespace(wait=lambda: None)
+        return Isend
 
     def _alltoall(self, rank):
         def Alltoall(sendbuf, recvbuf, what=""):
