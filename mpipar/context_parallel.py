@@ -28,8 +28,9 @@ The steps, one banner each at its calls:
    vectors of its own tokens.
 2. Each rank takes its replica's rows of the global batch and its pieces of each sequence
    (tokens and targets): one contiguous chunk, or the zigzag's two.
-3. Forward and loss on the rank's tokens; the loss is divided by the global batch's token
-   count, so that the ranks' losses add up to the serial one.
+3. Forward, loss and backward on the rank's tokens, micro-batch by micro-batch; the loss is
+   divided by the global batch's token count, so that the ranks' losses add up to the serial
+   one (Steps 4 to 6 run inside the attention layers' forward and backward).
 4. Ring attention, forward: G steps; at step j a rank holds the keys and values of the rank j
    places before it, posts the exchange that brings the next block (Isend, Irecv) and, while
    it travels, attends its queries' chunks to this block's chunks: a chunk pair with the key
@@ -373,7 +374,9 @@ class ContextParallel(Trainer):
         micro, normalizer = self.own_tokens(step)
         loss = 0.0
         for micro_id, (x, y) in enumerate(micro):
-            # -- CP Step 3: forward and loss on this rank's tokens, over the global count --
+            # -- CP Step 3: forward, loss and backward on this rank's tokens (global count) --
+            comm.narrate(f"CP Step 3: micro-batch {micro_id}: forward, loss and backward of "
+                         f"{x.size} tokens, the loss over the batch's {normalizer}")
             logits = self.model.forward(x, micro_id)
             loss += self.loss_fn.forward(logits, y, normalizer, micro_id)
             self.model.backward(self.loss_fn.backward(1.0, micro_id), micro_id)

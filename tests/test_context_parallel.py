@@ -88,7 +88,7 @@ def test_command_line_matches_serial_and_narrates_every_step(mpirun, tmp_path, c
            "rank), 1 replica(s)" in out, out
     for rank in range(4):  # Step 1 once; 2 and 7 per step; 3 per micro-batch; 4, 5 per layer
         assert out.count(f"[rank {rank}] CP Step 1:") == 1
-        for step, times in ((2, 1), (4, 4), (5, 4), (7, 1)):
+        for step, times in ((2, 1), (3, 2), (4, 4), (5, 4), (7, 1)):
             assert out.count(f"[rank {rank}] CP Step {step}:") == times, (rank, step, out)
     assert "[rank 1] CP Step 1: rank 1 is rank 1 of a cp group of 4: chunk(s) [1, 6] of 8 " \
            "of every sequence, 4 of its 16 tokens" in out, out
