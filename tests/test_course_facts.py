@@ -334,6 +334,32 @@ def test_lesson_11_exercise_7_all_to_alls_are_the_cost_model_s():
     assert "98,304 bytes" in text and "147,456 bytes" in text
 
 
+# ----------------------------------------------------------------------------- lesson 12
+def test_lesson_12_activation_bytes_are_the_attention_weights_arithmetic(mpirun):
+    """Lesson 12 and its exercise 6: a ring rank on cp G holds the serial activations over G,
+    less, per layer, its share of the s x s weights (B H s s / G values) plus its output and a
+    log-sum-exp per query instead; the cp 2 ledger shows it."""
+    text = flat(lesson("12-") + (LESSONS / "solutions" / "12-context-parallel.md").read_text())
+    serial, b, h, s, d, w, layers = 25_452_544, 32, 4, 32, 16, 8, 2
+    for g, held in ((4, 6_117_376), (2, 12_234_752)):
+        n = s // g
+        weights, kept = b * h * n * s * w, b * h * n * d * w + b * h * n * w
+        assert serial // g - layers * (weights - kept) == held and f"{held:,}" in text
+        assert f"{weights:,}" in text and f"{layers * (weights - kept):,}" in text
+    out = mpirun(2, ["-m", "mpipar.context_parallel", "--steps", "1", "--quiet", "--memory",
+                     "--dtype", "float64"], timeout=90).stdout
+    assert re.search(r"^ +1  cp 1 .* 12,234,752 ", out, re.M), out
+
+
+def test_lesson_12_exercise_2_is_the_picture_s_run():
+    from mpipar.tools.figures.context import ring_run
+
+    d = ring_run("ring", g=8, seq_len=32)
+    text = (LESSONS / "solutions" / "12-context-parallel.md").read_text()
+    assert f"{d['work']} {d['balance']}" in text
+    assert d["balance"] == pytest.approx(8 / 15, abs=1e-6)
+
+
 # ----------------------------------------------------------------------------- lesson 9
 def test_lesson_9_link_numbers_are_the_csv():
     """The table lesson 9 shows is plots/link.csv's run (each rate's DP steps, exposed

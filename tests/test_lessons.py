@@ -51,7 +51,7 @@ LESSONS = sorted((ROOT / "lessons").glob("*.md"))
 CITE = re.compile(r"`(mpipar/[\w/]+\.py) > ([^`]+)`")
 PICTURE = re.compile(r"!\[[^\]]*\]\(([^)]+)\)")
 TRAINERS = re.compile(r"-m mpipar\.(serial|data_parallel|tensor_parallel|pipeline|hybrid|"
-                      r"expert_parallel)\b")
+                      r"expert_parallel|context_parallel)\b")
 SHORT_STEPS = 3  # the optimizer steps of a shortened training run
 
 
