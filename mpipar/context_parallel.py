@@ -127,8 +127,9 @@ def scores(q, k, causal):
 
 
 def block_attention(q, k, v, causal):
-    """One (query chunk, key chunk) pair: the chunk's output and log-sum-exp over this key
-    chunk alone. The maximum is taken before the exponential, so no logit overflows."""
+    """One (query chunk, key chunk) pair: the softmax of the chunk's :func:`scores` over this
+    key chunk alone, applied to v, (B, H, c, D), and each query's log-sum-exp of those scores,
+    (B, H, c, 1). The maximum is taken before the exponential, so no logit overflows."""
     s = scores(q, k, causal)
     m = s.max(axis=-1, keepdims=True)  # (B, H, c, 1): finite, every row sees its diagonal
     p = B.xp.exp(s - m)

@@ -89,6 +89,17 @@ def test_a_dispatch_that_reads_the_arrivals_in_the_wrong_order_is_caught(tmp_pat
     assert line.startswith("FAILED: first mismatching parameter "), line
 
 
+def test_a_merge_that_overflows_is_caught_by_its_test(tmp_path):
+    """The log-sum-exp of a merge taken without the maximum first: the runs' logits are small,
+    so it trains as the serial model does, but at logits of 1e4 exp overflows: the exercise's
+    test names it."""
+    right = "    new = top + B.xp.log(B.xp.exp(lse - top) + B.xp.exp(block_lse - top))\n"
+    wrong = "    new = B.xp.log(B.xp.exp(lse) + B.xp.exp(block_lse))\n"
+    line = graded_with(tmp_path, "online-softmax", right, wrong)
+    assert line.startswith("FAILED: test_the_merge_of_blocks_is_the_softmax_over_their_union"), \
+        line
+
+
 def test_each_exercise_is_graded_on_its_own(tmp_path):
     """The row-parallel Linear calls g: written while g is still a stub, it passes (graded with
     the reference's g), and g's own line still says that g is not written."""

@@ -102,6 +102,14 @@ EXERCISES = [
         4, "expert_parallel", ["--a2a", "pairwise", "--micro-batches", "2"],
         [*GPT[:-4], "--batch-size", "8", "--steps", "3", "--experts", "8", "--top-k", "2"],
         ()),
+    Exercise(
+        "online-softmax", "mpipar/context_parallel.py", ("block_attention", "merge"),
+        "the online softmax: one block's attention output and log-sum-exp with the maximum "
+        "taken first, and the merge of two partial attentions by their log-sum-exps, which "
+        "must not overflow at logits of 1e4 (lesson 12)",
+        4, "context_parallel", ["--cp-algo", "zigzag", "--micro-batches", "2"], GPT,
+        ("tests/test_context_parallel.py::test_the_merge_of_blocks_is_the_softmax_over_their_"
+         "union",)),
 ]
 
 
