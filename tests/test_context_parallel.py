@@ -135,7 +135,7 @@ def test_a_checkpoint_moves_between_context_parallel_layouts(mpirun, tmp_path, c
 
 def test_clipping_and_the_memory_ledger_read_the_placements(mpirun, tmp_path, capsys):
     """--clip-grad counts every parameter once (replicated on every rank); --memory shows
-    each rank holding the whole model and a quarter of the serial activations' tokens."""
+    each rank holding the whole model, as the cost model predicts."""
     from mpipar import train
 
     saved, whole = tmp_path / "cp.npz", tmp_path / "serial.npz"
@@ -150,6 +150,8 @@ def test_clipping_and_the_memory_ledger_read_the_placements(mpirun, tmp_path, ca
     for rank in range(4):
         assert re.search(rf"^ +{rank}  cp {rank} +{8 * n:,} +{8 * n:,} +{16 * n:,} ", out,
                          re.M), out
+    assert f"its largest rank: parameters {8 * n:,}, gradients {8 * n:,}, optimizer " \
+           f"{16 * n:,}, activations " in out, out  # the cost model holds the same
 
 
 @pytest.mark.parametrize("n,flags,message", [

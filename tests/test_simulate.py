@@ -175,6 +175,55 @@ def test_a_pipeline_of_experts_is_cut_by_the_dense_flops_as_the_hybrid_cuts():
             "partition"] == S.predict(dense, HW, dp=2, pp=pp, n_micro=2)["partition"]
 
 
+# ----------------------------------------------------------------------------- context
+DENSE = S.GPTSpec(8, 32, 4, 3, 64, blocks_only=True)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallel_exchanges_are_the_formulas(cp):
+    """Per attention layer and micro-batch: the ring sends K and V (2 b n h values) cp-1 times
+    forward and cp-1 backward and dK, dV cp times, a message each; Ulysses four all-to-alls of
+    3 b n h (cp-1)/cp and b n h (cp-1)/cp values, pairwise (lessons/formulas.md)."""
+    b, m, w, h, s = 8, 2, 8, 32, 64
+    n = s // cp
+    ring = S.predict(DENSE, HW, dp=1, global_batch=b * m, n_micro=m, dtype_bytes=w, cp=cp)
+    message = HW.net_alpha + 2 * b * n * h * w * HW.net_beta
+    assert ring["cp_comm_s"] == pytest.approx(m * 3 * (3 * cp - 2) * message)
+    uly = S.predict(DENSE, HW, dp=1, global_batch=b * m, n_micro=m, dtype_bytes=w, cp=cp,
+                    cp_algo="ulysses")
+    each = [(cp - 1) * HW.net_alpha + v * b * n * h * w * (cp - 1) / cp * HW.net_beta
+            for v in (3, 1)]
+    assert uly["cp_comm_s"] == pytest.approx(m * 3 * 2 * sum(each))
+    assert ring["ep_comm_s"] == 0 and S.predict(DENSE, HW, global_batch=b)["cp_comm_s"] == 0
+
+
+def test_the_busiest_cp_rank_computes_its_share_of_the_core():
+    """Everything but attention's core over cp; the core (4 b s^2 h, every score) over cp for
+    the ring and Ulysses, (2cp+1)/(4cp^2) of it for the zigzag, which skips masked pairs."""
+    free = S.this_machine(1e9, 0.0, 0.0)
+    b, s, h, layers, cp = 4, 64, 32, 3, 4
+    core = layers * 4 * b * s * s * h
+    serial = S.predict(DENSE, free, global_batch=b)["compute_s"]
+    for algo, share in (("ring", 1 / cp), ("ulysses", 1 / cp), ("zigzag", 9 / 64)):
+        r = S.predict(DENSE, free, global_batch=b, cp=cp, cp_algo=algo)["compute_s"]
+        want = serial / cp + 3 * core * (share - 1 / cp) / 1e9  # forward + twice backward
+        assert r == pytest.approx(want), algo
+
+
+def test_context_parallel_divides_activations_and_sums_over_dp_times_cp():
+    b, w = 4, 2
+    serial = S.predict(DENSE, HW, dp=2, global_batch=2 * b, dtype_bytes=w)
+    for algo in ("ring", "ulysses"):
+        r = S.predict(DENSE, HW, dp=2, global_batch=2 * b, dtype_bytes=w, cp=4, cp_algo=algo)
+        s, a = 64, 4
+        core = 5 * a * s * s * b * w / 2 * 3  # Korthikanti's s x s term, 3 blocks
+        want = serial["mem_activations_bytes"] - (core if algo == "ring" else 0)
+        assert r["mem_activations_bytes"] == pytest.approx(want / 4), algo
+        assert r["mem_params_bytes"] == serial["mem_params_bytes"]
+        assert r["dp_comm_s"] == pytest.approx(S.ring_allreduce_time(
+            r["mem_params_bytes"], 8, HW.net_alpha, HW.net_beta))
+
+
 def test_a_measured_allreduce_cost_replaces_the_ring_formula():
     spec = S.GPTSpec(8, 64, 4, 3, 16, blocks_only=True)
     calls = []
@@ -462,6 +511,13 @@ def test_selective_recomputation_adds_attention_core_and_keeps_the_rest():
     (["--experts", "8", "--dp", "4", "--ep", "4", "--imbalance", "4.5"],
      "--imbalance 4.5 is above 4: the busiest of 4 ranks, holding 2 expert(s), gets at most 2 "
      "of each token's 2 pairs"),
+    (["--cp", "4", "--seq-len", "30"], "--seq-len 30 does not cut into the 4 chunks of "
+                                       "--cp-algo ring on --cp 4"),
+    (["--cp", "4", "--cp-algo", "zigzag", "--seq-len", "36"],
+     "--seq-len 36 does not cut into the 8 chunks of --cp-algo zigzag on --cp 4"),
+    (["--cp", "8", "--cp-algo", "ulysses"], "--cp-algo ulysses needs --n-heads 4 divisible"),
+    (["--cp", "2", "--experts", "4"], "--cp takes no --experts"),
+    (["--cp", "0"], "argument --cp: expected a whole number > 0, got '0'"),
     (["--experts", "4", "--dp", "4", "--ep", "4", "--imbalance", "2.5"],
      "--imbalance 2.5 is above 2: the busiest of 4 ranks, holding 1 expert(s), gets at most 1"),
 ])

@@ -175,7 +175,8 @@ def prediction(a, task):
                   experts=a.experts, top_k=a.top_k)
     r = S.predict(spec, S.this_machine(1e9, 0.0, 0.0), a.dp, a.tp, a.pp, a.batch_size,
                   a.micro_batches, getattr(a, "schedule", "1f1b"), np.dtype(B.dtype).itemsize,
-                  getattr(a, "zero", 0), a.recompute, ep=getattr(a, "ep", None) or 1)
+                  getattr(a, "zero", 0), a.recompute, ep=getattr(a, "ep", None) or 1,
+                  cp=a.cp, cp_algo=a.cp_algo)
     return {k: round(r[f"mem_{k}_bytes"]) for k in KINDS[:4]}
 
 

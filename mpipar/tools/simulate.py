@@ -6,6 +6,7 @@
 
     python -m mpipar.tools.simulate --dp 2 --zero 3 --recompute selective
     python -m mpipar.tools.simulate --dp 4 --ep 4 --experts 8 --top-k 2 --imbalance 1.5
+    python -m mpipar.tools.simulate --cp 4 --cp-algo zigzag --seq-len 1024 --batch-size 4
 
 From measured numbers (or published ones for other hardware): the FLOP rate of one device,
 alpha (seconds per message) and beta (seconds per byte) of its links, and on this machine what
@@ -45,6 +46,9 @@ predicts
   experts, k a token; each of G replicas holds E/G of them (memory), and per MoE layer and
   micro-batch sends the counts and four all-to-alls of the routed rows (:func:`all_to_all_time`;
   the terms in :func:`predict`); ``--imbalance`` makes the busiest rank's experts slower;
+- context parallelism (``--cp G --cp-algo ring|zigzag|ulysses``): the sequences of each
+  replica split over G ranks, their exchanges (:func:`cp_exchange_time`) and the busiest
+  rank's share of attention's core (``CORE_SHARE``);
 - recomputation (``--recompute [full|selective]``): full, one more forward in the backward;
   selective, attention's core again;
 - memory per rank: parameters, gradients, optimizer state (Adam: 2 values per parameter,
@@ -117,18 +121,20 @@ class GPTSpec:
         """One activation (or gradient) between stages, and one tensor-parallel allreduce."""
         return rows * self.seq_len * self.d_model * dtype_bytes
 
-    def stash_bytes(self, layer, rows, tp, dtype_bytes, recompute=False):
+    def stash_bytes(self, layer, rows, tp, dtype_bytes, recompute=False, cp=1, cp_algo="ring"):
         if not isinstance(layer, nn.Block):
             return 0.0
         if recompute and recompute != "selective":  # full: only the block's input is kept
-            return self.message_bytes(rows, dtype_bytes)
+            return self.message_bytes(rows, dtype_bytes) / cp
         # Korthikanti et al. 2022: s b h (10 + 24/t + 5 a s / (h t)) bytes in 16-bit; selective
         # recomputation drops the last term, attention's softmax part (their Sec. 5)
         s, h, a = self.seq_len, self.d_model, self.n_heads
         core = 0 if recompute == "selective" else 5 * a * s / (h * tp)
+        if cp > 1 and cp_algo != "ulysses":  # the ring keeps a log-sum-exp, not the s x s part
+            core = 0
         # with experts, each of a token's k routed copies keeps a feed-forward's 19 s b h
         routed = 19 * (self.top_k - 1) if self.experts else 0
-        return s * rows * h * (10 + 24 / tp + core + routed) * dtype_bytes / 2
+        return s * rows * h * (10 + 24 / tp + core + routed) * dtype_bytes / 2 / cp
 
 
 @dataclass
@@ -146,7 +152,7 @@ class MLPSpec:
     def message_bytes(self, rows, dtype_bytes):
         return rows * max(self.sizes[1:-1] or self.sizes) * dtype_bytes
 
-    def stash_bytes(self, layer, rows, tp, dtype_bytes, recompute=False):
+    def stash_bytes(self, layer, rows, tp, dtype_bytes, recompute=False, cp=1, cp_algo="ring"):
         if isinstance(layer, nn.Linear):  # a Linear keeps its input for dW = x^T dout
             return rows * layer.W.shape[0] * dtype_bytes / tp
         return 0.0
@@ -164,7 +170,7 @@ TP_ALLREDUCES = {nn.Block: (4, 0), nn.GPTEmbedding: (1, 0), nn.GPTHead: (1, 3)}
 ZERO3_CALLS = ("allgather", "allgather", "reduce_scatter")
 
 
-def layer_table(spec, micro_rows, tp=1, dtype_bytes=2, recompute=False):
+def layer_table(spec, micro_rows, tp=1, dtype_bytes=2, recompute=False, cp=1, cp_algo="ring"):
     """Per layer: forward FLOPs for one micro-batch, parameters, its tensor-parallel allreduces
     (of activations, of one number per token: see ``TP_ALLREDUCES``), and the activation bytes
     it stashes; with experts, also the part of the FLOPs and of the parameters that are the
@@ -180,7 +186,8 @@ def layer_table(spec, micro_rows, tp=1, dtype_bytes=2, recompute=False):
                  expert_flops=sum(plan.flops(m, tokens) - plan.flops(m.router, tokens)
                                   for m in layer.modules() if isinstance(m, moe.MoE)),
                  tp_allreduces=TP_ALLREDUCES.get(type(layer), (0, 0)),
-                 stash=spec.stash_bytes(layer, micro_rows, tp, dtype_bytes, recompute),
+                 stash=spec.stash_bytes(layer, micro_rows, tp, dtype_bytes, recompute, cp,
+                                        cp_algo),
                  # attention's core (q k^T, p v: 2 b s^2 h FLOPs each), which selective
                  # recomputation runs again in the backward
                  core=4 * micro_rows * spec.seq_len ** 2 * spec.d_model
@@ -242,9 +249,29 @@ def moe_exchange_time(spec, hw, micro_rows, ep, imbalance, dtype_bytes):
         + 4 * all_to_all_time(imbalance * rows_sent * spec.d_model * dtype_bytes, ep, hw)
 
 
+# the busiest cp rank's share of the serial attention core's FLOPs, by algorithm
+CORE_SHARE = {"ring": lambda g: 1 / g, "ulysses": lambda g: 1 / g,
+              "zigzag": lambda g: (2 * g + 1) / (4 * g * g)}
+
+
+def cp_exchange_time(spec, hw, micro_rows, cp, cp_algo, dtype_bytes):
+    """One attention layer's exchanges for one micro-batch, both passes, of a rank of a cp
+    group (lessons/formulas.md#context-parallelism): the ring's K and V (2 b n h values, n =
+    s/cp) cp-1 times forward and cp-1 backward, and dK, dV cp times, each one message
+    (alpha + bytes beta); Ulysses' q, k, v and output all-to-alls, 4 b n h (cp-1)/cp values
+    each way, pairwise (:func:`all_to_all_time`). Links: the data-parallel ones."""
+    if cp == 1 or not isinstance(spec, GPTSpec):
+        return 0.0
+    block = micro_rows * spec.seq_len / cp * spec.d_model * dtype_bytes  # b n h values
+    if cp_algo == "ulysses":
+        return 2 * (all_to_all_time(3 * block * (cp - 1) / cp, cp, hw)
+                    + all_to_all_time(block * (cp - 1) / cp, cp, hw))
+    return (3 * cp - 2) * (hw.net_alpha + 2 * block * hw.net_beta)
+
+
 def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f1b",
             dtype_bytes=2, zero=0, recompute=False, compute_share=1.0, stage_share=None,
-            ep=1, imbalance=1.0):
+            ep=1, imbalance=1.0, cp=1, cp_algo="ring"):
     """Predicted step time (and its parts) and memory per rank.
 
     ``recompute``: keep only each block's input and recompute its forward in backward (the
@@ -271,31 +298,47 @@ def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f
     (pairwise rounds) + its bytes beta on the data-parallel links (``all_to_all_time``).
     ``imbalance`` (the busiest expert's tokens over the mean, as the run prints) scales the
     busiest rank's expert FLOPs and the rows it receives and sends back. The experts' gradients
-    are summed over their dp/ep replicas, the rest over all dp."""
+    are summed over their dp/ep replicas, the rest over all dp.
+
+    With ``cp`` > 1 each of the dp replicas is a cp group that splits every sequence
+    (:mod:`mpipar.context_parallel`, ``cp_algo``): everything but attention's core runs on s/cp
+    tokens; the core's FLOPs of the busiest rank are the serial core's (every s x s score,
+    the masked ones included, as the serial code computes them) times 1/cp for the ring
+    (its last rank computes all cp blocks of (s/cp)^2) and Ulysses (all s tokens, H/cp
+    heads), and (2cp+1)/(4cp^2) for the zigzag (2cp+1 chunk pairs of (s/2cp)^2), which skips
+    the masked pairs the serial code computes; the exchanges of ``cp_exchange_time`` per
+    attention layer and micro-batch; activations over cp (the ring and zigzag keep no s x s
+    weights); the gradients summed over dp x cp ranks. Messages between stages and tensor-
+    parallel allreduces carry s/cp tokens."""
     micro_rows = global_batch / (dp * n_micro)
     if micro_rows < 1:
         raise ValueError(f"global batch {global_batch} is too small for dp={dp} x m={n_micro}")
+    if cp > 1 and getattr(spec, "experts", 0):
+        raise ValueError("the cost model has context parallelism for the dense GPT only")
     rows = max(1, round(micro_rows))
-    table = layer_table(spec, rows, tp, dtype_bytes, recompute)
+    table = layer_table(spec, rows, tp, dtype_bytes, recompute, cp, cp_algo)
     scale = micro_rows / rows
     counts = plan.partition([row["dense_flops"] for row in table], pp)  # as the pipeline cuts
     table_share = compute_share if isinstance(compute_share, dict) else None
     if table_share:  # everything outside the pipeline replay runs with every rank computing
         compute_share = table_share[min(dp * tp * pp, max(table_share))]
     rate = hw.flops * (1.0 if table_share else compute_share)
-    act_bytes = spec.message_bytes(micro_rows, dtype_bytes)  # one activation or its gradient
+    act_bytes = spec.message_bytes(micro_rows, dtype_bytes) / cp  # an activation, a gradient
     allreduce = hw.collective_time("allreduce", act_bytes, tp, hw.tp_alpha, hw.tp_beta)
     per_token = hw.collective_time("allreduce", act_bytes / spec.d_model if isinstance(
         spec, GPTSpec) else 0.0, tp, hw.tp_alpha, hw.tp_beta)
     backward_factor = 3.0 if recompute and recompute != "selective" else 2.0
     a2a = moe_exchange_time(spec, hw, micro_rows, ep, imbalance, dtype_bytes)
+    a2a += cp_exchange_time(spec, hw, micro_rows, cp, cp_algo, dtype_bytes)
+    core_share = CORE_SHARE[cp_algo](cp) if cp > 1 else 1.0  # the busiest rank's, of the core
 
     fwd, bwd, comm, ep_comm, stage_params, stage_experts, stage_stash = [], [], [], [], [], [], []
     start = 0
     for c in counts:
         layers = table[start:start + c]
         start += c
-        flops = sum(r["flops"] + (imbalance - 1) * r["expert_flops"] for r in layers) * scale / tp
+        flops = sum((r["flops"] - r["core"]) / cp + core_share * r["core"]
+                    + (imbalance - 1) * r["expert_flops"] / cp for r in layers) * scale / tp
         big = sum(r["tp_allreduces"][0] for r in layers)
         small = sum(r["tp_allreduces"][1] for r in layers)
         fixed = c * hw.layer_overhead
@@ -303,7 +346,7 @@ def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f
         fwd.append(fixed + flops / rate)
         bwd.append(2 * fixed + (backward_factor * flops + core) / rate)
         comm.append((big * allreduce + small * per_token) / 2)  # in each pass: half of them
-        ep_comm.append(sum(r["expert_flops"] > 0 for r in layers) * a2a / 2)  # as comm
+        ep_comm.append(sum(r["core"] > 0 for r in layers) * a2a / 2)  # per block, as comm
         stage_experts.append(sum(r["expert_params"] for r in layers) / (ep * tp))
         stage_params.append(sum(r["params"] - r["expert_params"] for r in layers) / tp
                             + stage_experts[-1])
@@ -327,7 +370,7 @@ def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f
 
     big = int(np.argmax(stage_params))  # the stage of the most parameters
     dense_bytes = (stage_params[big] - stage_experts[big]) * dtype_bytes
-    dp_time = hw.collective_time("allreduce", dense_bytes, dp, hw.net_alpha, hw.net_beta)
+    dp_time = hw.collective_time("allreduce", dense_bytes, dp * cp, hw.net_alpha, hw.net_beta)
     if stage_experts[big]:  # each expert's gradient over its dp/ep replicas
         dp_time += hw.collective_time("allreduce", stage_experts[big] * dtype_bytes, dp // ep,
                                       hw.net_alpha, hw.net_beta)
@@ -365,9 +408,11 @@ def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f
     memory["total"] = sum(memory.values())
     tokens = global_batch * getattr(spec, "seq_len", 1)
     return dict(
-        dp=dp, tp=tp, pp=pp, ep=ep, devices=dp * tp * pp, n_micro=n_micro, schedule=schedule,
+        dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, devices=dp * tp * pp * cp, n_micro=n_micro,
+        schedule=schedule,
         step_s=total, compute_s=compute, tp_comm_s=tp_comm, pp_comm_s=pp_comm, bubble_s=bubble,
-        dp_comm_s=dp_time, ep_comm_s=a2a_comm, tokens_per_s=tokens / total,
+        dp_comm_s=dp_time, ep_comm_s=0.0 if cp > 1 else a2a_comm,
+        cp_comm_s=a2a_comm if cp > 1 else 0.0, tokens_per_s=tokens / total,
         model_flops_per_s=6 * sum(r["params"] for r in table) * tokens / total,
         fits=memory["total"] <= hw.memory, partition=counts,
         **{f"mem_{k}_bytes": v for k, v in memory.items()},
@@ -412,6 +457,14 @@ def layout_problem(spec, a):
     if a.pp > n_layers:
         return (f"--pp {a.pp} stages but the model has only {n_layers} layers (embedding, "
                 f"{spec.n_layers} blocks, head): each stage needs at least one")
+    if a.cp > 1 and a.experts:
+        return "--cp takes no --experts: context parallelism is modelled for the dense GPT"
+    if a.cp > 1 and a.seq_len % (2 * a.cp if a.cp_algo == "zigzag" else a.cp):
+        return (f"--seq-len {spec.seq_len} does not cut into the "
+                f"{2 * a.cp if a.cp_algo == 'zigzag' else a.cp} chunks of --cp-algo "
+                f"{a.cp_algo} on --cp {a.cp}")
+    if a.cp > 1 and a.cp_algo == "ulysses" and spec.n_heads % a.cp:
+        return f"--cp-algo ulysses needs --n-heads {spec.n_heads} divisible by --cp {a.cp}"
     if a.experts and not 1 <= a.top_k <= a.experts:
         return f"--top-k {a.top_k} of --experts {a.experts}: each token goes to 1 to E experts"
     if a.ep > 1 and not a.experts:
@@ -472,6 +525,10 @@ def main(argv=None):
                     help="expert-parallel size: the replicas that split the experts")
     ap.add_argument("--imbalance", type=rate, default=1.0,
                     help="the rows for the busiest rank's experts over the mean (1: even)")
+    ap.add_argument("--cp", type=count, default=1,
+                    help="context-parallel size: each replica's sequences split over cp ranks")
+    ap.add_argument("--cp-algo", choices=["ring", "zigzag", "ulysses"], default="ring",
+                    help="context parallelism's attention (default ring)")
     ap.add_argument("--json", action="store_true", help="print the prediction as JSON")
     args = ap.parse_args(argv)
     spec = GPT3 if args.preset == "gpt3" else GPTSpec(args.vocab, args.d_model, args.n_heads,
@@ -484,7 +541,7 @@ def main(argv=None):
         else PRESETS[args.hardware]
     r = predict(spec, hw, args.dp, args.tp, args.pp, args.batch_size, args.micro_batches,
                 args.schedule, args.dtype_bytes, args.zero, args.recompute, ep=args.ep,
-                imbalance=args.imbalance)
+                imbalance=args.imbalance, cp=args.cp, cp_algo=args.cp_algo)
     if args.json:  # allow_nan=False: a NaN is an error here, never a silent "NaN" in the output
         print(json.dumps(dict(r, hardware=asdict(hw)), allow_nan=False))
         return
@@ -494,11 +551,13 @@ def main(argv=None):
           + (f"; ZeRO-{args.zero}" if args.zero else "")
           + (f"; recompute {args.recompute}" if args.recompute else "")
           + (f"; {args.experts} experts, top-{args.top_k}, ep={args.ep}, imbalance "
-             f"{args.imbalance:g}" if args.experts else ""))
+             f"{args.imbalance:g}" if args.experts else "")
+          + (f"; cp={args.cp} {args.cp_algo}" if args.cp > 1 else ""))
     print(f"predicted step {_ms(r['step_s'])}: compute {_ms(r['compute_s'])}, tensor-parallel "
           f"comm {_ms(r['tp_comm_s'])}, pipeline comm {_ms(r['pp_comm_s'])}, bubble "
           f"{_ms(r['bubble_s'])}, data-parallel comm {_ms(r['dp_comm_s'])}"
-          + (f", expert all-to-alls {_ms(r['ep_comm_s'])}" if args.experts else ""))
+          + (f", expert all-to-alls {_ms(r['ep_comm_s'])}" if args.experts else "")
+          + (f", context-parallel comm {_ms(r['cp_comm_s'])}" if args.cp > 1 else ""))
     print(f"throughput {r['tokens_per_s']:,.0f} tokens/s")
     mem = {k[4:-6]: v for k, v in r.items() if k.startswith("mem_")}
     print("memory per rank: " + ", ".join(f"{k} {_gb(v)}" for k, v in mem.items())
