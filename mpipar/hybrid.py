@@ -6,6 +6,7 @@
     mpirun -n 8 python -m mpipar.hybrid --dp 2 --tp 2 --pp 2 --print-grid
     mpirun -n 8 python -m mpipar.hybrid --dp 2 --tp 2 --pp 2 --zero 1 --optim adam
     mpirun -n 4 python -m mpipar.hybrid --dp 2 --pp 2 --zero 2 --bucket-mb 0.01 --overlap
+    mpirun -n 8 python -m mpipar.hybrid --dp 2 --tp 2 --pp 2 --cp 2 --sequence-parallel
 
 N = D * T * P ranks form a grid (:class:`mpipar.mpi.grid.Grid`): the T ranks of a tensor-parallel
 group hold slices of the same layers, the P stages of a pipeline hold consecutive layers, and
@@ -77,6 +78,16 @@ forward must come first: GPipe's order, and no other schedule is accepted); in S
 experts' gradients are summed over their own replicas only, the rest over ``dp_comm``; the
 printed loss adds the stages' aux losses.
 
+With ``--cp G`` (:mod:`mpipar.context_parallel`; the dense GPT): each stage's replicas are cut
+into cp groups of G consecutive replicas (Step 1 splits ``dp_comm``), which take the same rows
+and split their tokens (one contiguous chunk, or the zigzag's two); the rows go to the
+``dp // G`` data-parallel groups in Step 3; every block's attention runs its core, on this
+rank's H/t heads, as the ring over ``cp_comm`` (:class:`RingParallelAttention`) or as Ulysses
+(:class:`UlyssesParallelAttention`, H/(t G) heads a rank), inside Step 4; with
+``--sequence-parallel`` the tensor-parallel ranks split the cp rank's tokens once more. The
+gradient sum of Step 5 over ``dp_comm`` already covers the cp ranks, which hold the same
+parameters; messages between stages carry s/G tokens.
+
 Why that nesting (Narayanan et al. 2021, arXiv:2104.04473, Sec. 3): tensor parallelism talks
 several times per layer and micro-batch, so its groups are neighbouring ranks (one node, fast
 links); the pipeline talks once per micro-batch and stage boundary, point to point; data
@@ -92,6 +103,9 @@ micro-batch of a step, so they live through the whole schedule, and a step's pea
 as it would without ZeRO.
 """
 
+import numpy as np
+
+from mpipar import context_parallel as CP
 from mpipar import data_parallel as DP
 from mpipar import expert_parallel as EP
 from mpipar import pipeline as PP
@@ -118,14 +132,18 @@ def sum_over(group, value, what=""):
 
 
 # ----------------------------------------------------------------------------- the scheme
-def make_grid(dp, tp, pp, mpi_comm=None, ep=None):
+def make_grid(dp, tp, pp, mpi_comm=None, ep=None, cp=1):
     """The grid's three communicators for this rank (a wrong product is refused by Grid on
     every rank, listing the layouts that fit the job); with ``ep`` (a run with experts), the
-    dp group split into expert-parallel groups too."""
+    dp group split into expert-parallel groups too; with ``cp`` > 1, into context-parallel
+    groups of cp replicas that share rows and split their tokens."""
     # -- HY Step 1: carve COMM_WORLD into the data x tensor x pipeline grid --
     grid = Grid(dp, tp, pp, mpi_comm)
     if ep is not None:  # the ep and expert-replica groups, inside each stage's replicas
         EP.add_expert_groups(grid, ep)
+    if cp > 1:  # cp groups of replicas that share rows (without: each replica its own)
+        CP.add_context_groups(grid, cp)
+        grid.axes = ("dp", "cp", "tp", "pp")  # a rank's place, for the memory ledger
     comm.narrate(f"HY Step 1: world rank {grid.world.rank} is dp={grid.dp_rank} "
                  f"tp={grid.tp_rank} pp={grid.pp_rank}: tp group of {grid.tp_size}, pipeline "
                  f"of {grid.pp_size} stages, {grid.dp_size} replica(s)")
@@ -168,6 +186,76 @@ class BalancingStage(nn.Sequential):
         return super().backward(dout, micro_id)
 
 
+class RingParallelAttention(CP.RingAttention, tp_models.ParallelCausalSelfAttention):
+    """Tensor-parallel attention (this rank's H/t heads) whose core runs the ring over the
+    sequence's chunks on ``cp_comm``: the two compose, the ring on the local heads."""
+
+    def __init__(self, d_model, n_heads, tp_comm, cp_comm, algo):
+        tp_models.ParallelCausalSelfAttention.__init__(self, d_model, n_heads, tp_comm)
+        self.comm, self.algo = cp_comm, algo
+
+
+class UlyssesParallelAttention(CP.UlyssesAttention, tp_models.ParallelCausalSelfAttention):
+    """Tensor-parallel attention whose H/t heads are shared out again over ``cp_comm`` by
+    Ulysses' all-to-alls: H/(t cp) heads a rank, every token of the sequence."""
+
+    def __init__(self, d_model, n_heads, tp_comm, cp_comm):
+        tp_models.ParallelCausalSelfAttention.__init__(self, d_model, n_heads, tp_comm)
+        self.comm = cp_comm
+        self.n_local_heads //= cp_comm.size
+
+
+class ParallelContextEmbedding(CP.ContextParallelEmbedding, tp_models.ParallelGPTEmbedding):
+    """The vocabulary-parallel embedding of this rank's tokens: the position vectors of the
+    positions it holds (``held``)."""
+
+    def __init__(self, vocab, d_model, seq_len, tp_comm, held):
+        tp_models.ParallelGPTEmbedding.__init__(self, vocab, d_model, seq_len, tp_comm)
+        self.held = held
+
+
+class SequenceParallelContextEmbedding(tp_models.SequenceParallelGPTEmbedding):
+    """With sequence parallelism too: the tp rank's part of this cp rank's tokens, so its
+    positions are a slice of ``held``."""
+
+    def __init__(self, vocab, d_model, seq_len, tp_comm, held):
+        super().__init__(vocab, d_model, seq_len, tp_comm)
+        self.held = held
+
+    def forward(self, idx, micro_id=0):
+        lo, hi = SP.sequence_rows(idx.shape[1], self.tp_comm)
+        return self.tok.forward(idx, micro_id) + self.pos.data[B.asarray(self.held[lo:hi])]
+
+    def backward_weight(self, micro_id=0):
+        (dout,) = self.saved(micro_id)  # (B, n/t, C): this rank's rows of its tokens
+        lo = self.tp_comm.rank * dout.shape[1]
+        self.pos.grad[B.asarray(self.held[lo:lo + dout.shape[1]])] += dout.sum(axis=0)
+        self.tok.backward_weight(micro_id)
+
+
+def over_context(tp_model, args, grid, vocab):
+    """The tensor-parallel model's attention and embedding made context parallel over
+    ``grid.cp_comm`` (``--cp``, ``--cp-algo``): every block's core is the ring (or Ulysses)
+    on its tp heads, and the embedding adds the positions of this cp rank's tokens."""
+    held = CP.positions(grid.cp_rank, grid.cp_size, args.cp_algo, args.seq_len)
+    embed = SequenceParallelContextEmbedding if args.sequence_parallel else \
+        ParallelContextEmbedding
+    for i, (name, layer) in enumerate(tp_model.layers):
+        if name == "embed":
+            tp_model.layers[i] = (name, embed(vocab, args.d_model, args.seq_len,
+                                              grid.tp_comm, held))
+        elif name.startswith("blocks."):
+            layer.attn = UlyssesParallelAttention(args.d_model, args.n_heads, grid.tp_comm,
+                                                  grid.cp_comm) \
+                if args.cp_algo == "ulysses" else \
+                RingParallelAttention(args.d_model, args.n_heads, grid.tp_comm, grid.cp_comm,
+                                      args.cp_algo)
+            if args.sequence_parallel:  # f' and g' around it, as SequenceParallelBlock's
+                layer.attn.qkv.f = SP.GatherFromSequence(grid.tp_comm, layer.attn.qkv)
+                layer.attn.proj.g = SP.ScatterToSequence(grid.tp_comm, layer.attn.proj)
+    return held
+
+
 class Hybrid(Trainer):
     """One rank of the 3D trainer: ``__init__`` is Step 2, :meth:`step` Steps 3 to 6 for one
     global batch (Steps 5 and 6 run inside the pipeline, at its optimizer step)."""
@@ -184,6 +272,8 @@ class Hybrid(Trainer):
         counts, self.flops = plan.plan_stages(task, n_stages, m, args.partition)  # dense FLOPs
         self.bounds = plan.stage_bounds(counts)
         tp_model = tp_models.build_tp_model(task, self.tp_comm)  # every layer, none initialised
+        self.held = over_context(tp_model, args, grid, task.data.vocab) \
+            if grid.cp_size > 1 else None
         if args.experts:  # each block's feed-forward: this replica's share of the experts
             for name, block in tp_model.layers:
                 if name.startswith("blocks."):
@@ -203,9 +293,9 @@ class Hybrid(Trainer):
             [grid.edp_comm] if args.experts else [])])
         self.loss_fn = tp_models.tp_loss(task, self.tp_comm) if self.is_last_stage else None
         self.instructions = SCHEDULES[args.schedule](n_stages, self.stage_id, m)
-        self.rows = comm.split_rows(args.batch_size, grid.dp_size)  # rows per replica
-        self.lo = sum(self.rows[:grid.dp_rank])
-        self.micro_rows = comm.split_rows(self.rows[grid.dp_rank], m)
+        self.rows = comm.split_rows(args.batch_size, grid.data_size)  # rows per data group
+        self.lo = sum(self.rows[:grid.data_rank])
+        self.micro_rows = comm.split_rows(self.rows[grid.data_rank], m)
         make_opt = lambda params: serial.make_optimizer(args, params)  # noqa: E731
         if args.experts:  # the experts' gradients are summed over their own replicas only
             self.update = SyncedUpdate(stage, self.dp_comm, make_opt, args.bucket_mb,
@@ -237,13 +327,20 @@ class Hybrid(Trainer):
             self.update.sync.new_grads()
 
         # -- HY Step 3: each replica takes its rows of the global batch, as micro-batches --
-        n_rows = self.rows[grid.dp_rank]
+        n_rows = self.rows[grid.data_rank]
         comm.narrate(f"HY Step 3: no message: replica {grid.dp_rank} takes rows {self.lo}.."
                      f"{self.lo + n_rows - 1} of the global batch in {m} micro-batch(es) of "
-                     f"{self.micro_rows} rows; the loss divides by the global target count")
+                     f"{self.micro_rows} rows" + (f", {len(self.held)} of their "
+                                                  f"{a.seq_len} tokens (cp rank "
+                                                  f"{grid.cp_rank})" if self.held is not None
+                                                  else "")
+                     + "; the loss divides by the global target count")
         x_host, y_host = task.batch(step)  # the whole global batch, from (seed, step)
-        x, y = task.to_device(x_host[self.lo:self.lo + n_rows], y_host[self.lo:self.lo + n_rows])
-        normalizer = y_host.size  # targets in the GLOBAL batch, not in this replica's rows
+        normalizer = y_host.size  # targets in the GLOBAL batch, not in this rank's rows
+        x_host, y_host = (t[self.lo:self.lo + n_rows] for t in (x_host, y_host))
+        if self.held is not None:  # context parallel: this rank's tokens of each row
+            x_host, y_host = (np.ascontiguousarray(t[:, self.held]) for t in (x_host, y_host))
+        x, y = task.to_device(x_host, y_host)
 
         # -- HY Step 4: the pipeline runs its schedule; inside a stage every layer is TP --
         comm.narrate(f"HY Step 4: stage {self.stage_id} runs the {a.schedule} schedule over "

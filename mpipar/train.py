@@ -185,7 +185,7 @@ def main(scheme, argv=None, trainer_cls=None):
     comm.EXPLAIN = a.explain
     if scheme == "hybrid":  # its Step 1 is carving the grid, so the scheme file does it
         from mpipar.hybrid import make_grid
-        grid = make_grid(a.dp, a.tp, a.pp, ep=a.ep if a.experts else None)
+        grid = make_grid(a.dp, a.tp, a.pp, ep=a.ep if a.experts else None, cp=a.cp)
     elif scheme == "expert_parallel":  # its Step 1 too: the ep and expert-replica groups
         from mpipar.expert_parallel import make_grid
         grid = make_grid(a.ep)

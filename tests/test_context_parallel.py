@@ -169,3 +169,38 @@ def test_clipping_and_the_memory_ledger_read_the_placements(mpirun, tmp_path, ca
 ])
 def test_bad_input_ends_every_rank_with_one_line(n, flags, message):
     assert_refused(n, "context_parallel", flags, message)
+
+
+# ----------------------------------------------------------------------------- in the hybrid
+@pytest.mark.parametrize("n,layout", [
+    (4, ["--dp", "2", "--pp", "2", "--cp", "2"]),
+    (4, ["--dp", "4", "--cp", "2", "--cp-algo", "zigzag"]),
+    (4, ["--dp", "2", "--tp", "2", "--cp", "2", "--cp-algo", "ulysses"]),
+    (4, ["--dp", "2", "--tp", "2", "--cp", "2", "--sequence-parallel"]),
+    (8, ["--dp", "4", "--pp", "2", "--cp", "2", "--cp-algo", "ulysses"]),
+    (8, ["--dp", "4", "--pp", "2", "--cp", "4", "--cp-algo", "zigzag"]),
+    (8, ["--dp", "2", "--tp", "2", "--pp", "2", "--cp", "2", "--cp-algo", "zigzag",
+         "--sequence-parallel"]),
+])
+def test_the_hybrid_with_context_parallelism_equals_serial(mpirun, tmp_path, capsys, n, layout):
+    """cp groups inside each stage's replicas, with data parallelism, the pipeline (1F1B, 2
+    micro-batches), tensor parallelism (the ring or Ulysses on the tp rank's heads) and
+    sequence parallelism (the cp rank's tokens split over tp once more)."""
+    saved = tmp_path / "hybrid_cp.npz"
+    flags = [*TINY, "--steps", "3"]
+    out = mpirun(n, ["-m", "mpipar.hybrid", *flags, *layout, "--micro-batches", "2",
+                     "--save-params", saved], timeout=120).stdout
+    assert_matches_serial(out, flags, saved, tmp_path, capsys)
+    cp = int(layout[layout.index("--cp") + 1])
+    assert f"context: each sequence over cp groups of {cp} replicas ({16 // cp} of its 16 " \
+           f"tokens a rank)" in out, out
+
+
+@pytest.mark.parametrize("n,flags,message", [
+    (4, ["--dp", "4", "--cp", "3"], "--cp 3 must be at least 1 and divide the 4 data-parallel"),
+    (4, ["--dp", "2", "--tp", "2", "--cp", "2", "--cp-algo", "ulysses", "--n-heads", "2",
+         "--d-model", "16"], "--cp-algo ulysses gives each of the --tp 2 x --cp 2 ranks whole"),
+    (4, ["--dp", "4", "--cp", "2", "--experts", "4"], "--cp 2 in the hybrid splits the dense"),
+])
+def test_the_hybrid_refuses_what_context_parallelism_cannot_split(n, flags, message):
+    assert_refused(n, "hybrid", ["--model", "gpt", *flags], message)

@@ -52,6 +52,10 @@ class Grid:
             with watched("Split", "all ranks", f"the {name} groups"):
                 return communicator(mpi_comm.Split(color, key), name)
 
+        # no context parallelism unless a scheme carves cp groups from dp_comm: every
+        # replica then takes its own rows (mpipar.context_parallel.add_context_groups)
+        self.cp_rank, self.cp_size = 0, 1
+        self.data_rank, self.data_size = self.dp_rank, dp
         self.tp_comm = split(self.dp_rank * pp + self.pp_rank, self.tp_rank, "tp")
         self.pp_comm = split(self.dp_rank * tp + self.tp_rank, self.pp_rank, "pp")
         self.dp_comm = split(self.pp_rank * tp + self.tp_rank, self.dp_rank, "dp")
@@ -70,6 +74,8 @@ class Grid:
         line = (f"rank {self.world.rank}: dp={self.dp_rank} tp={self.tp_rank} pp={self.pp_rank}"
                 f"   tp group {members(self.tp_comm)}   pp group {members(self.pp_comm)}"
                 f"   dp group {members(self.dp_comm)}")
+        if self.cp_size > 1:  # cp groups carved from the dp group (mpipar.context_parallel)
+            line += f"   cp group {members(self.cp_comm)}"
         lines = self.world.gather_obj(line)
         return "\n".join(lines) if lines else None
 

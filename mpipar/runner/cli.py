@@ -107,6 +107,21 @@ FLAG_RULES = [
     (EP, lambda a: a.recompute,
      "--recompute is not in the expert-parallel trainer: running a layer's forward again would "
      "repeat its all-to-alls"),
+    (HY, lambda a: a.cp != 1 and (a.model != "gpt" or a.experts or a.recompute),
+     "--cp {a.cp} in the hybrid splits the dense GPT's sequences: no --model mlp, --experts or "
+     "--recompute with it"),
+    (HY, lambda a: a.cp < 1 or (a.dp or 1) % a.cp,
+     "--cp {a.cp} must be at least 1 and divide the {a.dp} data-parallel replicas: each "
+     "sequence is split over cp replicas of a stage"),
+    (HY, lambda a: a.cp > 1 and a.seq_len % (a.cp2 if a.cp_algo == "zigzag" else a.cp),
+     "--cp-algo {a.cp_algo} on --cp {a.cp} cannot cut --seq-len {a.seq_len} into its chunks "
+     "(zigzag: 2 x cp of them): use a multiple of {a.cp2}"),
+    (HY, lambda a: a.cp > 1 and a.cp_algo == "ulysses" and a.n_heads % (a.tp * a.cp),
+     "--cp-algo ulysses gives each of the --tp {a.tp} x --cp {a.cp} ranks whole heads, but "
+     "--n-heads {a.n_heads} is not divisible by {a.tp} x {a.cp}"),
+    (HY, lambda a: a.cp > 1 and a.sequence_parallel and (a.seq_len // a.cp) % a.tp,
+     "--sequence-parallel with --cp {a.cp} splits each rank's {a.seq_len} / {a.cp} tokens "
+     "over the {a.tp} tensor-parallel ranks: use a --seq-len that divides into cp x tp pieces"),
     (CP, lambda a: a.model != "gpt",
      "context parallelism splits the GPT's sequences, and the MLP has none: use --model gpt"),
     (CP, lambda a: a.cp < 1 or a.n % a.cp,
@@ -258,9 +273,12 @@ def complete(a, scheme, n):
         a.ep = 1  # every replica holds every expert
     if scheme == "context_parallel":
         a.cp = n if a.cp is None else a.cp  # every rank holds 1/n of each sequence
-        a.dp, a.cp2 = max(n // a.cp, 1) if a.cp >= 1 else 1, 2 * a.cp  # the replicas
+        a.dp = max(n // a.cp, 1) if a.cp >= 1 else 1  # the replicas
+    a.cp2 = 2 * a.cp
     if scheme == "hybrid" and a.dp is None and min(a.tp, a.pp) >= 1:
         a.dp = max(n // (a.tp * a.pp), 1)
+    # the groups that take different rows: the hybrid's cp replicas of a stage share theirs
+    a.data_groups = max((a.dp or 1) // max(a.cp, 1), 1) if scheme == "hybrid" else a.dp
     if scheme == "pipeline":
         a.chunks = (2 if a.schedule == "interleaved" else 1) if a.chunks is None else a.chunks
         a.stages = a.stages if a.print_schedule else n
@@ -268,11 +286,11 @@ def complete(a, scheme, n):
     if scheme == "hybrid":
         a.stages = a.pp
         if a.micro_batches is None:  # 4, or fewer when a replica has fewer rows
-            a.micro_batches = max(1, min(4, a.batch_size // max(a.dp or 1, 1)))
-    a.replicas, a.one_replica = a.dp, "replica" if scheme in ("hybrid", "context_parallel") \
-        else "rank"
+            a.micro_batches = max(1, min(4, a.batch_size // a.data_groups))
+    a.replicas, a.one_replica = a.data_groups, "replica" \
+        if scheme in ("hybrid", "context_parallel") else "rank"
     a.replica = a.one_replica + "s"  # the words of the batch refusal
-    a.rows_needed = (a.dp or 1) * a.micro_batches
+    a.rows_needed = (a.data_groups or 1) * a.micro_batches
     return a
 
 

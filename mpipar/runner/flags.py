@@ -120,6 +120,14 @@ def expert_flags(g, ep_help):
                         "by hand (the same results, bit for bit)")
 
 
+def context_flags(g, cp_help, default=None):
+    g.add_argument("--cp", type=int, metavar="G", default=default, help=cp_help)
+    g.add_argument("--cp-algo", choices=["ring", "zigzag", "ulysses"], default="ring",
+                   help="ring: K and V around the ring, contiguous chunks (default); zigzag: "
+                        "the ring with chunks r and 2G-1-r, balanced; ulysses: all-to-alls "
+                        "from sequence shards to head shards")
+
+
 def scheme_flags(ap, scheme):
     if scheme == "data_parallel":
         g = ap.add_argument_group("data parallelism")
@@ -158,14 +166,9 @@ def scheme_flags(ap, scheme):
                        help="pieces of each rank's rows, every forward before any backward "
                             "(default 1)")
     elif scheme == "context_parallel":
-        g = ap.add_argument_group("context parallelism")
-        g.add_argument("--cp", type=int, metavar="G",
-                       help="ranks each sequence is split over (default: all P; with G < P "
-                            "the P/G groups are data-parallel replicas)")
-        g.add_argument("--cp-algo", choices=["ring", "zigzag", "ulysses"], default="ring",
-                       help="ring: K and V around the ring, contiguous chunks (default); "
-                            "zigzag: the ring with chunks r and 2G-1-r, balanced; ulysses: "
-                            "all-to-alls from sequence shards to head shards")
+        context_flags(g := ap.add_argument_group("context parallelism"),
+                      "ranks each sequence is split over (default: all P; with G < P the P/G "
+                      "groups are data-parallel replicas)")
         g.add_argument("--micro-batches", type=int, default=1,
                        help="pieces of each replica's rows (default 1)")
     elif scheme == "hybrid":
@@ -185,6 +188,9 @@ def scheme_flags(ap, scheme):
         expert_flags(ap.add_argument_group("experts (--experts E)"),
                      "replicas of a stage its experts are split over (default 1: every "
                      "replica holds them all)")
+        context_flags(ap.add_argument_group("context parallelism (--cp G)"),
+                      "replicas of a stage each sequence is split over (default 1: every "
+                      "replica holds whole sequences)", default=1)
 
 
 PROGS = {"serial": "Train the reference model on one process.",  # each scheme's --help line

@@ -173,7 +173,7 @@ def prediction(a, task):
     spec = S.MLPSpec(tuple(a.sizes)) if a.model == "mlp" else \
         S.GPTSpec(task.data.vocab, a.d_model, a.n_heads, a.n_layers, a.seq_len,
                   experts=a.experts, top_k=a.top_k)
-    r = S.predict(spec, S.this_machine(1e9, 0.0, 0.0), a.dp, a.tp, a.pp, a.batch_size,
+    r = S.predict(spec, S.this_machine(1e9, 0.0, 0.0), a.data_groups, a.tp, a.pp, a.batch_size,
                   a.micro_batches, getattr(a, "schedule", "1f1b"), np.dtype(B.dtype).itemsize,
                   getattr(a, "zero", 0), a.recompute, ep=getattr(a, "ep", None) or 1,
                   cp=a.cp, cp_algo=a.cp_algo)

@@ -179,6 +179,11 @@ class HybridReport(Report):
                            for d in range(a.dp) for t in range(a.tp)]
         names = layer_names(self.task)
         total = max(sum(trainer.flops), 1)
+        if a.cp > 1:
+            head += (f"\n  context: each sequence over cp groups of {a.cp} replicas "
+                     f"({a.seq_len // a.cp} of its {a.seq_len} tokens a rank), {a.cp_algo} "
+                     f"attention; rows per data-parallel group "
+                     f"{comm.split_rows(a.batch_size, a.dp // a.cp)}")
         if a.experts:
             head += (f"\n  experts: {a.experts} a block over ep groups of {a.ep} replicas "
                      f"({a.experts // a.ep} a rank), top-{a.top_k}, aux loss coefficient "
