@@ -74,8 +74,6 @@ from mpipar.engine import backend as B
 from mpipar.engine import nn
 from mpipar.engine.parameters import place
 from mpipar.mpi import comm
-from mpipar.mpi.direct import communicator
-from mpipar.mpi.failure import watched
 from mpipar.mpi.grid import Grid
 from mpipar.mpi.trace import TRACE
 from mpipar.runner.trainer import Trainer
@@ -312,24 +310,13 @@ class UlyssesAttention(nn.CausalSelfAttention):
 
 
 # ----------------------------------------------------------------------------- the scheme
-def add_context_groups(grid, cp):
-    """Split the grid's ``dp_comm`` (the ranks that hold the same layers) into cp groups of
-    ``cp`` consecutive ranks (``cp_comm``), which hold the same rows and other tokens, and give
-    each rank its data-parallel index among the ``dp_size // cp`` groups (the hybrid's too)."""
-    r = grid.dp_comm.rank
-    with watched("Split", "all ranks", "the cp groups"):
-        grid.cp_comm = communicator(grid.dp_comm.mpi.Split(r // cp, r % cp), "cp")
-    grid.cp_rank, grid.cp_size = grid.cp_comm.rank, grid.cp_comm.size
-    grid.data_rank, grid.data_size = r // cp, grid.dp_comm.size // cp
-
-
 def make_grid(cp, mpi_comm=None):
     """Step 1's groups: every rank a replica of the whole model (``dp_comm``, all ranks), in a
     cp group of ``cp`` consecutive ranks (``cp_comm``) that holds the same rows, and a
     data-parallel index (``data_rank`` of ``data_size``). The runner calls it."""
     grid = Grid(dp=(MPI.COMM_WORLD if mpi_comm is None else mpi_comm).Get_size(),
                 mpi_comm=mpi_comm)
-    add_context_groups(grid, cp)
+    grid.split_context(cp)
     grid.axes = ("cp", "data")  # a rank's place, for the memory ledger
     return grid
 

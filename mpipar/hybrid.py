@@ -142,7 +142,7 @@ def make_grid(dp, tp, pp, mpi_comm=None, ep=None, cp=1):
     if ep is not None:  # the ep and expert-replica groups, inside each stage's replicas
         EP.add_expert_groups(grid, ep)
     if cp > 1:  # cp groups of replicas that share rows (without: each replica its own)
-        CP.add_context_groups(grid, cp)
+        grid.split_context(cp)
         grid.axes = ("dp", "cp", "tp", "pp")  # a rank's place, for the memory ledger
     comm.narrate(f"HY Step 1: world rank {grid.world.rank} is dp={grid.dp_rank} "
                  f"tp={grid.tp_rank} pp={grid.pp_rank}: tp group of {grid.tp_size}, pipeline "

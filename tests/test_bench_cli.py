@@ -315,6 +315,8 @@ def test_the_other_tools_refuse_in_one_line_too(argv, says):
     (["--tp", "x"], "error: argument --tp: invalid int value: 'x' (see --help)"),
     (["--pp", "-2"], "error: --pp must be at least 1, got -2"),
     (["--dp", "0", "--tp", "2"], "error: --dp must be at least 1, got 0"),
+    (["--cp", "0"], "error: --cp must be at least 1, got 0"),
+    (["--cp", "3"], "error: --cp 3 must divide the 2 data-parallel replicas"),
 ])
 def test_grid_refuses_a_size_below_one(flags, says, mpirun):
     """--tp 0 once died in a ZeroDivisionError traceback on every rank."""
@@ -322,6 +324,13 @@ def test_grid_refuses_a_size_below_one(flags, says, mpirun):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip() == says, proc.stderr  # one line, from rank 0 only
     assert proc.stdout == ""
+
+
+def test_grid_prints_the_cp_groups_carved_from_each_dp_group(mpirun):
+    out = mpirun(4, ["-m", "mpipar.mpi.grid", "--dp", "2", "--pp", "2", "--cp", "2"],
+                 timeout=60).stdout
+    assert "rank 1: dp=0 tp=0 pp=1   tp group [1]   pp group [0, 1]   dp group [1, 3]   " \
+           "cp group [1, 3]" in out, out
 
 
 # ----------------------------------------------------------------------------- bench wait

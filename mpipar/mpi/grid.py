@@ -12,7 +12,8 @@ and data-parallel replicas (one allreduce per step) are the farthest apart.
 Each scheme takes its communicator from here (``grid.dp_comm``, ``grid.tp_comm``,
 ``grid.pp_comm``), never COMM_WORLD, so the hybrid scheme can combine all three.
 
-Run ``mpirun -n 8 python -m mpipar.mpi.grid --dp 2 --tp 2 --pp 2`` to print a layout.
+Run ``mpirun -n 8 python -m mpipar.mpi.grid --dp 2 --tp 2 --pp 2`` to print a layout (``--cp 2``:
+with context-parallel groups of 2 replicas carved from each dp group, as the hybrid does).
 """
 
 import argparse
@@ -52,13 +53,24 @@ class Grid:
             with watched("Split", "all ranks", f"the {name} groups"):
                 return communicator(mpi_comm.Split(color, key), name)
 
-        # no context parallelism unless a scheme carves cp groups from dp_comm: every
-        # replica then takes its own rows (mpipar.context_parallel.add_context_groups)
+        # no context parallelism unless a scheme carves cp groups from dp_comm
+        # (split_context): every replica then takes its own rows
         self.cp_rank, self.cp_size = 0, 1
         self.data_rank, self.data_size = self.dp_rank, dp
         self.tp_comm = split(self.dp_rank * pp + self.pp_rank, self.tp_rank, "tp")
         self.pp_comm = split(self.dp_rank * tp + self.tp_rank, self.pp_rank, "pp")
         self.dp_comm = split(self.pp_rank * tp + self.tp_rank, self.dp_rank, "dp")
+
+    def split_context(self, cp):
+        """Split ``dp_comm`` (the ranks that hold the same layers) into context-parallel groups
+        of ``cp`` consecutive ranks (``cp_comm``), which take the same rows and split their
+        tokens (:mod:`mpipar.context_parallel`), and give each rank its index among the
+        ``dp_size // cp`` data-parallel groups, which take different rows."""
+        r = self.dp_comm.rank
+        with watched("Split", "all ranks", "the cp groups"):
+            self.cp_comm = communicator(self.dp_comm.mpi.Split(r // cp, r % cp), "cp")
+        self.cp_rank, self.cp_size = self.cp_comm.rank, self.cp_comm.size
+        self.data_rank, self.data_size = r // cp, self.dp_comm.size // cp
 
     @staticmethod
     def rank_of(dp, pp, tp, sizes):
@@ -88,14 +100,21 @@ def main(argv=None):
     ap.add_argument("--dp", type=int, default=None)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--cp", type=int, default=1,
+                    help="context-parallel groups of cp replicas inside each dp group")
     args = ap.parse_args(argv)
-    for flag in ("dp", "tp", "pp"):  # 0 would divide by zero below, a negative size mislead
+    for flag in ("dp", "tp", "pp", "cp"):  # 0 would divide by zero below, a negative mislead
         size = getattr(args, flag)
         if size is not None and size < 1:
             refuse(f"--{flag} must be at least 1, got {size}")
     n = MPI.COMM_WORLD.Get_size()
     dp = args.dp if args.dp is not None else max(n // (args.tp * args.pp), 1)
-    text = Grid(dp, args.tp, args.pp).describe()
+    if dp % args.cp:
+        refuse(f"--cp {args.cp} must divide the {dp} data-parallel replicas")
+    grid = Grid(dp, args.tp, args.pp)
+    if args.cp > 1:
+        grid.split_context(args.cp)
+    text = grid.describe()
     if text:
         say(text)
 
