@@ -339,7 +339,7 @@ class ContextParallel(Trainer):
                     if args.cp_algo == "ulysses" else \
                     RingAttention(args.d_model, args.n_heads, self.cp, args.cp_algo)
         self.model.init(args.seed)
-        place(self.model.parameters(), replicated=[self.world])  # the same on every rank
+        place(self.model.parameters(), replicated=[self.world, self.cp])  # on every rank
         held, n_chunks = chunks_of(self.cp.rank, self.cp.size, args.cp_algo)
         comm.narrate(f"CP Step 1: rank {self.world.rank} is rank {self.cp.rank} of a cp group "
                      f"of {self.cp.size}: chunk(s) {held} of {n_chunks} of every sequence, "

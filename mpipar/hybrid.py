@@ -287,6 +287,7 @@ class Hybrid(Trainer):
         self.experts = [p for n, p in stage.named_parameters() if ".mlp.experts." in n]
         replicated = [p for p in replicated if all(p is not q for q in self.experts)]
         ep = [grid.ep_comm] if args.experts else []  # the rest is the same on every ep rank
+        ep += [grid.cp_comm] if grid.cp_size > 1 else []  # and on every cp rank
         place(shards, split=[self.tp_comm, self.pp_comm], replicated=[self.dp_comm, *ep])
         place(replicated, split=[self.pp_comm], replicated=[self.tp_comm, self.dp_comm, *ep])
         place(self.experts, split=[self.pp_comm, *ep], replicated=[self.tp_comm, *(

@@ -204,3 +204,22 @@ def test_the_hybrid_with_context_parallelism_equals_serial(mpirun, tmp_path, cap
 ])
 def test_the_hybrid_refuses_what_context_parallelism_cannot_split(n, flags, message):
     assert_refused(n, "hybrid", ["--model", "gpt", *flags], message)
+
+
+def test_a_clipped_hybrid_checkpoint_resumes_in_the_context_parallel_trainer(mpirun, tmp_path,
+                                                                           capsys):
+    """--clip-grad in the hybrid with cp groups counts every entry once (the placements name
+    dp and cp); its checkpoint, 3 steps on dp 2 x pp 2 with cp 2, resumes on the
+    context-parallel trainer's zigzag over 4 ranks: the serial trainer's 6 clipped steps."""
+    from mpipar import train
+
+    ckpt, saved, whole = tmp_path / "ckpt", tmp_path / "cp.npz", tmp_path / "serial.npz"
+    clipped = [*TINY, "--clip-grad", "0.05"]
+    out = mpirun(4, ["-m", "mpipar.hybrid", *clipped, "--steps", "3", "--dp", "2", "--pp", "2",
+                     "--cp", "2", "--checkpoint", ckpt], timeout=90).stdout
+    assert "scaled down, in 3 of 3 steps" in out, out
+    out = mpirun(4, ["-m", "mpipar.context_parallel", *clipped, "--steps", "6", "--cp-algo",
+                     "zigzag", "--resume", ckpt, "--save-params", saved], timeout=90).stdout
+    assert "after step 3" in out, out
+    train.main("serial", [*clipped, "--steps", "6", "--save-params", str(whole)])
+    assert_params_close(train.load_params(saved), train.load_params(whole), "hybrid -> cp")
