@@ -59,6 +59,8 @@ def worker_flags(monkeypatch, name, argv, via_dispatcher=False):
     ("hybrid", ["--quick", "--rounds", "4"], {"--rounds": "4", "--warmup": "1"}),
     ("hybrid", ["--quick", "--warmup", "3"], {"--rounds": "2", "--warmup": "3"}),
     ("hybrid", [], {"--rounds": "8", "--warmup": "2"}),
+    ("context", ["--quick"], {"--warmup": "1", "--steps": "3"}),
+    ("context", [], {"--warmup": "6", "--steps": "15"}),
     ("experts", ["--quick"], {"--warmup": "10", "--steps": "3"}),
     ("experts", [], {"--warmup": "60", "--steps": "30"}),
     ("experts", ["--quick", "--steps", "7"], {"--warmup": "10", "--steps": "7"}),

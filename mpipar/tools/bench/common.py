@@ -201,6 +201,42 @@ def bench_parser(name, quick_help="fewer sizes and repeats", worker=True):
     return ap
 
 
+def turns_flags(ap, warmup, steps):
+    """The flags of a benchmark that times trainers in turns (:func:`in_turns`), with its
+    defaults (warmup, steps) and --quick's 1/6 of them, and launches for the spread."""
+    ap.sized("--launches", 5, 2, type=number(), help="launches, for the spread of the ratios")
+    ap.sized("--warmup", warmup, max(1, warmup // 6), type=number(),
+             help="steps trained before the timed ones")
+    ap.sized("--steps", steps, 3, type=number(), help="timed steps of each trainer (median)")
+
+
+def in_turns(trainers, warmup, steps, after=None):
+    """Train each of ``trainers`` (under mpirun) ``warmup`` steps, then time ``steps`` more of
+    each, taking turns so that all see the machine in the same state: a barrier, the step, the
+    slowest rank's seconds. ``after(i)`` runs after each timed step of trainer i (reading the
+    trace), ``before(i)`` not needed: the trace is cleared before each. Returns each trainer's
+    list of seconds."""
+    from mpi4py import MPI
+
+    from mpipar.mpi.trace import TRACE
+
+    world = MPI.COMM_WORLD
+    for step in range(warmup):
+        for trainer in trainers:
+            trainer.step(step)
+    times = [[] for _ in trainers]
+    for step in range(warmup, warmup + steps):
+        for i, trainer in enumerate(trainers):
+            TRACE.clear()
+            world.Barrier()
+            t0 = time.perf_counter()
+            trainer.step(step)
+            times[i].append(world.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+            if after is not None:
+                after(i)
+    return times
+
+
 def number(kind=int, zero_ok=False):
     """An argparse type: a number > 0 (>= 0 with ``zero_ok``) of ``kind``, ``int`` (a whole
     number) or ``float`` (finite). Anything else (nan, inf, a word, nothing) is refused, and

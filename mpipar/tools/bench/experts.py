@@ -22,16 +22,16 @@ two imbalances.
 """
 
 import statistics
-import time
 
 from mpipar.tools.bench.common import (
     bench_parser,
     emit,
     environment,
-    number,
+    in_turns,
     pyplot,
     run_ranks,
     save_figure,
+    turns_flags,
     write_csv,
     wrote,
 )
@@ -63,25 +63,15 @@ def worker(warmup, steps):
     from mpipar.train import trainer_class
 
     comm.install_excepthook()
-    world = MPI.COMM_WORLD
     trainers = []
     for coef in COEFS:
         a = parse_args("expert_parallel", FLAGS + ["--aux-loss-coef", str(coef)])
         trainers.append(trainer_class("expert_parallel", a)(serial.Task(a), make_grid(a.ep), a))
-    for step in range(warmup):
-        for trainer in trainers:
-            trainer.step(step)
-    times = {coef: [] for coef in COEFS}
-    for step in range(warmup, warmup + steps):
-        for coef, trainer in zip(COEFS, trainers):
-            world.Barrier()
-            t0 = time.perf_counter()
-            trainer.step(step)
-            times[coef].append(world.allreduce(time.perf_counter() - t0, op=MPI.MAX))
-    if world.rank == 0:
-        for coef, trainer in zip(COEFS, trainers):
+    times = in_turns(trainers, warmup, steps)
+    if MPI.COMM_WORLD.rank == 0:
+        for coef, trainer, seconds in zip(COEFS, trainers, times):
             busiest, worst = imbalance(trainer)
-            emit(dict(coef=coef, times=times[coef], busiest=busiest, worst=worst))
+            emit(dict(coef=coef, times=seconds, busiest=busiest, worst=worst))
 
 
 def predicted_ratio(busiest, balanced):
@@ -121,9 +111,7 @@ def plot(rows, path):
 
 def main(argv=None):
     ap = bench_parser("experts")
-    ap.sized("--launches", 5, 2, type=number(), help="launches, for the spread of the ratio")
-    ap.sized("--warmup", 60, 10, type=number(), help="steps trained before the timed ones")
-    ap.sized("--steps", 30, 3, type=number(), help="timed steps of each trainer (median)")
+    turns_flags(ap, warmup=60, steps=30)
     args = ap.parse_args(argv)
     if args.worker:
         worker(args.warmup, args.steps)
