@@ -1,0 +1,13 @@
+"""The bf16 SUM MPI lacks: a user-defined operation on 2-byte words against the fp32 sum, on
+2, 3 and 4 ranks (tests/mpi/bf16_checks.py): half the bytes, the same bits on every rank, and
+each within its rounding bound of the exact sum."""
+
+import pytest
+from conftest import MPI_SCRIPTS
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_the_bf16_sum_halves_the_bytes_within_its_bound(mpirun, n):
+    out = mpirun(n, [MPI_SCRIPTS / "bf16_checks.py"], timeout=120).stdout
+    assert f"bf16 sum checks passed on {n} ranks" in out, out
+    assert f"100000 values on {n} ranks: bytes a rank sends bf16 200,000, fp32 400,000" in out
