@@ -14,7 +14,7 @@ This module does not import MPI: the reference needs one process and nothing els
 import numpy as np
 
 from mpipar.engine import backend as B
-from mpipar.engine import data, moe, nn, optim
+from mpipar.engine import data, moe, nn, optim, precision
 from mpipar.runner.trainer import Trainer
 
 
@@ -85,14 +85,23 @@ def make_optimizer(args, params):
     return optim.make(args.optim, params, args.lr)
 
 
-def train_step(model, loss_fn, opt, x, y):
-    """One serial step on the whole batch: forward, loss, backward, update."""
+def train_step(model, loss_fn, opt, x, y, scaler=None):
+    """One serial step on the whole batch: forward, loss, backward, update. With a loss
+    ``scaler`` (fp16): the backward of the loss times its scale, the update of the gradients
+    over it, taken only if every gradient is finite (:mod:`mpipar.engine.precision`)."""
     opt.zero_grad()
     logits = model.forward(x)
     loss = loss_fn.forward(logits, y, normalizer=y.size)  # mean over every target
     loss += moe.balance(model)  # the MoE layers' load balancing over the batch (0 without)
-    model.backward(loss_fn.backward())
-    opt.step()
+    scale = 1.0 if scaler is None else scaler.scale
+    model.backward(loss_fn.backward(scale))
+    if scaler is None:
+        opt.step()
+        return loss
+    opt.unscale = 1.0 / scale
+    finite = all(bool(B.xp.isfinite(B.load(p.grad)).all()) for p in opt.params)
+    if scaler.update(not finite):  # False: the step is skipped, the scale backs off
+        opt.step()
     return loss
 
 
@@ -104,10 +113,12 @@ class Serial(Trainer):
         self.model = task.build_model().init(args.seed)
         self.opt = make_optimizer(args, self.model.parameters())
         self.loss_fn = task.loss_fn
+        self.scaler = precision.LossScaler(args.loss_scale, args.loss_scale_interval) \
+            if getattr(args, "precision", "fp32") == "fp16" else None
 
     def step(self, step):
         x, y = self.task.to_device(*self.task.batch(step))
-        return train_step(self.model, self.loss_fn, self.opt, x, y)
+        return train_step(self.model, self.loss_fn, self.opt, x, y, self.scaler)
 
     def full_params(self):
         return {name: B.to_numpy(p.data) for name, p in self.model.named_parameters()}

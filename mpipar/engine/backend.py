@@ -9,6 +9,11 @@ import numpy as np
 
 xp = np  # the array module in use: numpy, or cupy after use("cupy")
 dtype = np.float32  # the default floating dtype of parameters and activations
+# mixed precision (--precision bf16 or fp16): dtype is then the 16-bit STORAGE type of
+# parameters, gradients and the activations a layer keeps or passes on, and compute the
+# float32 every layer computes in (mpipar/engine/precision.py); otherwise both are dtype
+compute = np.float32
+low = False  # whether dtype is a 16-bit storage type
 CUDA_AWARE = False  # MPI reads and writes device arrays itself (set by use("cupy"))
 DEVICE = None  # (this rank's GPU, GPUs seen, local rank) once use("cupy") has chosen one
 STAGED = {"copies": 0, "to host": 0, "to device": 0}  # bytes staged for MPI, this rank
@@ -111,12 +116,38 @@ def staged_line():
 
 
 def set_dtype(name):
-    """Set the default floating dtype from its name ("float32" or "float64")."""
-    global dtype
+    """Set the default floating dtype from its name ("float32" or "float64"); full
+    precision: storage and compute alike."""
+    global dtype, compute, low
     if name not in ("float32", "float64"):
         raise ValueError(f"unknown dtype {name!r}: choose float32 or float64")
-    dtype = np.dtype(name).type
+    dtype = compute = np.dtype(name).type
+    low = False
     return dtype
+
+
+def set_precision(name):
+    """Mixed precision: store in ``name`` ("bf16" or "fp16"), compute in float32; "fp32" is
+    :func:`set_dtype` ("float32")."""
+    global dtype, compute, low
+    if name == "fp32":
+        return set_dtype("float32")
+    from mpipar.engine.precision import dtype_of
+
+    dtype, compute, low = dtype_of(name).type, np.float32, True
+    return dtype
+
+
+def load(a):
+    """A stored array as the layers compute with it: float32 from a 16-bit one (exactly: every
+    bf16 or fp16 value is a float32); anything else as it is."""
+    return a.astype(compute) if low and getattr(a, "dtype", None) == dtype else a
+
+
+def store(a):
+    """An array as it is kept or passed on: rounded to the 16-bit storage type from float32;
+    anything else (integers, masks, full precision) as it is."""
+    return a.astype(dtype) if low and getattr(a, "dtype", None) == compute else a
 
 
 def to_numpy(a):

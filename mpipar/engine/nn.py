@@ -77,12 +77,17 @@ class Module:
                 seen.update((id(a), a.nbytes) for a in saved if hasattr(a, "nbytes"))
         return sum(seen.values())
 
-    # -- the cache: forward saves, backward pops (so memory is freed as backward runs)
+    # -- the cache: forward saves, backward pops (so memory is freed as backward runs); in
+    # mixed precision the float arrays are kept in the storage type (B.store) and come back as
+    # float32 (B.load), unless the module keeps its own in full precision (``KEEP_FULL``)
+    KEEP_FULL = False
+
     def save(self, micro_id, *arrays):
-        self._cache[micro_id] = arrays
+        self._cache[micro_id] = arrays if self.KEEP_FULL else tuple(B.store(a) for a in arrays)
 
     def saved(self, micro_id):
-        return self._cache.pop(micro_id)
+        arrays = self._cache.pop(micro_id)
+        return arrays if self.KEEP_FULL else tuple(B.load(a) for a in arrays)
 
     def forward(self, x, micro_id=0):
         raise NotImplementedError
@@ -387,19 +392,21 @@ class Sequential(SplitBackward):
     def children(self):
         return [layer for _, layer in self.layers]
 
+    # Between its layers a Sequential passes the storage type on (B.store: 16-bit in mixed
+    # precision) and hands each layer float32 (B.load); in full precision both do nothing.
     def forward(self, x, micro_id=0):
         for _, layer in self.layers:
-            x = layer.forward(x, micro_id)
+            x = B.store(layer.forward(B.load(x), micro_id))
         return x
 
     def backward_input(self, dout, micro_id=0):
         for _, layer in reversed(self.layers):
-            dout = layer.backward_input(dout, micro_id)
+            dout = B.store(layer.backward_input(B.load(dout), micro_id))
         return dout
 
     def backward(self, dout, micro_id=0):  # layer by layer: each W frees what its B kept
         for _, layer in reversed(self.layers):
-            dout = layer.backward(dout, micro_id)
+            dout = B.store(layer.backward(B.load(dout), micro_id))
         return dout
 
 
@@ -431,8 +438,10 @@ class SoftmaxCrossEntropy(Module):
     (or the micro-batches') gives exactly the serial gradient, with no further scaling.
     """
 
+    KEEP_FULL = True  # the loss and its softmax in float32, whatever the storage type
+
     def forward(self, logits, targets, normalizer=None, micro_id=0):
-        z = _rows(logits)  # (N, V)
+        z = _rows(B.load(logits))  # (N, V), in float32 from 16-bit logits
         t = targets.reshape(-1)  # (N,)
         normalizer = z.shape[0] if normalizer is None else normalizer
         check_targets(t, z.shape[1])

@@ -4,9 +4,23 @@ Each update is elementwise, so updating a shard of a parameter gives exactly the
 full update: the data-parallel ZeRO mode and the tensor-parallel shards rely on this.
 State is kept per parameter, keyed by the Parameter object (``state_bytes`` reports its size,
 which ZeRO divides by the number of ranks).
+
+Mixed precision (Micikevicius et al. 2018, arXiv:1710.03740, Sec. 3.1): a parameter stored in
+a 16-bit type gets a float32 master copy, the last array of its state. The update reads the
+16-bit gradient as float32, multiplied by ``unscale`` (1 / the loss scale), updates the master
+and the float32 state, and rounds the master into the parameter: an update smaller than half
+a bf16 unit of the weight would be lost if it were added to the weight itself, but adds up in
+the master.
 """
 
+import numpy as np
+
 from mpipar.engine import backend as B
+
+
+def low(p):
+    """Whether ``p`` is stored in a 16-bit type (and so updated through a master copy)."""
+    return p.data.dtype.itemsize == 2
 
 
 class Optimizer:
@@ -16,12 +30,30 @@ class Optimizer:
         self.params = list(params)
         self.lr = lr
         self.state = {}  # Parameter -> tuple of arrays shaped like the parameter
+        self.unscale = 1.0  # gradients times this before the update: 1 / the loss scale
+        if any(low(p) for p in self.params):  # the master copies: a checkpoint keeps them
+            self.state_kinds = (*type(self).state_kinds, "master")
 
     def step(self):
         for p in self.params:
             if p not in self.state:
-                self.state[p] = self.new_state(p)
-            self.update(p.data, p.grad, *self.state[p])
+                self.state[p] = self.fresh_state(p)
+            if low(p):  # through the float32 master copy, rounded back into the parameter
+                *state, master = self.state[p]
+                self.update(master, p.grad.astype(np.float32) * self.unscale, *state)
+                p.data[...] = master
+            else:
+                self.update(p.data, p.grad if self.unscale == 1.0 else p.grad * self.unscale,
+                            *self.state[p])
+
+    def fresh_state(self, p):
+        """The state before the first update: :meth:`new_state`, and the master copy of a
+        16-bit parameter."""
+        return self.new_state(p) + ((p.data.astype(np.float32),) if low(p) else ())
+
+    def zeros(self, p):
+        """A state array for ``p``: its shape, in float32 for a 16-bit parameter."""
+        return B.xp.zeros(p.data.shape, dtype=np.float32) if low(p) else B.xp.zeros_like(p.data)
 
     def new_state(self, p):
         """The optimizer's per-parameter arrays (zeros, shaped like the parameter)."""
@@ -50,7 +82,7 @@ class SGD(Optimizer):
         self.weight_decay = weight_decay
 
     def new_state(self, p):
-        return (B.xp.zeros_like(p.data),) if self.momentum else ()
+        return (self.zeros(p),) if self.momentum else ()
 
     def update(self, w, g, *state):
         if self.weight_decay:
@@ -83,7 +115,7 @@ class Adam(Optimizer):
         super().step()
 
     def new_state(self, p):
-        return B.xp.zeros_like(p.data), B.xp.zeros_like(p.data)
+        return self.zeros(p), self.zeros(p)
 
     def update(self, w, g, m, v):
         if self.weight_decay and not self.decoupled:

@@ -63,7 +63,7 @@ Slot = namedtuple("Slot", "name kind shape select array write")
 def _state(opt, p):
     """The optimizer's arrays for p, made now if no step has made them yet."""
     if p not in opt.state:
-        opt.state[p] = opt.new_state(p)
+        opt.state[p] = opt.fresh_state(p)
     return opt.state[p]
 
 
@@ -129,8 +129,14 @@ def save_params(path, named_arrays):
     """Write {canonical name: array} to an .npz file (plain arrays, no pickle), atomically
     (:func:`write_atomically`). Returns the path written (".npz" added if absent)."""
     path = npz_path(path)
-    return write_atomically(path, lambda f: np.savez(
-        f, **{name: B.to_numpy(a) for name, a in named_arrays}))
+    return write_atomically(path, lambda f: np.savez(  # 16-bit values as float32, exactly
+        f, **{name: widened(B.to_numpy(a)) for name, a in named_arrays}))
+
+
+def widened(a):
+    """A bf16 or fp16 array as float32 (every such value is one): .npz keeps NumPy's own
+    types only, and would read a bf16 array back as raw 2-byte records."""
+    return a.astype(np.float32) if a.dtype.itemsize == 2 and a.dtype.kind in "fV" else a
 
 
 def npz_path(path):
@@ -148,6 +154,8 @@ def model_config(a):
         {k: getattr(a, k) for k in ("d_model", "n_heads", "n_layers", "seq_len")}
     if a.model == "gpt" and a.experts:  # a dense GPT's manifest stays as it was
         shape.update(experts=a.experts, top_k=a.top_k, aux_loss_coef=a.aux_loss_coef)
+    if getattr(a, "precision", "fp32") != "fp32":  # so does a full-precision run's
+        shape.update(precision=a.precision)
     return dict(model=a.model, **shape, dtype=a.dtype, optim=a.optim, seed=a.seed,
                 batch_size=a.batch_size)
 

@@ -139,6 +139,20 @@ FLAG_RULES = [
     (CP, lambda a: a.recompute,
      "--recompute is not in the context-parallel trainer: running attention's forward again "
      "would repeat its exchanges"),
+    (ALL, lambda a: a.precision != "fp32" and a.scheme != "serial",
+     "--precision {a.precision} is in the serial trainer only so far: run python -m "
+     "mpipar.serial, or --precision fp32"),
+    (ALL, lambda a: a.precision != "fp32" and (a.dtype != "float32" or a.backend != "numpy"),
+     "--precision {a.precision} stores in 16 bits and computes in float32 with NumPy: it takes "
+     "no --dtype float64 (the exactness mode) and no --backend cupy yet"),
+    (ALL, lambda a: a.precision == "fp16" and not (0 < a.loss_scale < math.inf
+                                                   and a.loss_scale_interval >= 1),
+     "--precision fp16 needs a positive, finite --loss-scale and a --loss-scale-interval of 1 "
+     "or more, got {a.loss_scale} and {a.loss_scale_interval}"),
+    (ALL, lambda a: a.precision != "fp32" and (a.experts or a.checkpoint or a.resume
+                                               or a.clip_grad or a.recompute),
+     "--precision {a.precision} takes no --experts, --checkpoint, --resume, --clip-grad or "
+     "--recompute yet"),
     (ALL, lambda a: activation_bytes(a) > memory_bytes(),
      "--batch-size {a.batch_size} would need about {a.need_gib:.1f} GiB of activations in one "
      "step, more than this machine's {a.have_gib:.1f} GiB: use a smaller batch or model"),
@@ -246,7 +260,11 @@ def parse_args(scheme, argv=None, n_ranks=None):
     a.bucket_mb = 25.0 if a.overlap and a.bucket_mb is None else a.bucket_mb  # DDP's default
     if a.backend == "cupy" and (problem := B.cupy_problem()):  # on every rank, before arrays
         comm.refuse(problem)
+    if a.precision == "bf16" and (problem := precision_problem()):
+        comm.refuse(problem)
     B.use(a.backend, a.dtype)
+    if a.precision != "fp32":
+        B.set_precision(a.precision)  # 16-bit storage, float32 compute
     return a
 
 
@@ -292,6 +310,16 @@ def complete(a, scheme, n):
     a.replica = a.one_replica + "s"  # the words of the batch refusal
     a.rows_needed = (a.data_groups or 1) * a.micro_batches
     return a
+
+
+def precision_problem():
+    """Why bf16 cannot be stored here (ml_dtypes missing), or None."""
+    try:
+        import ml_dtypes  # noqa: F401
+    except ImportError:
+        return "--precision bf16 needs the ml_dtypes package for NumPy's bf16: pip install " \
+            "ml_dtypes"
+    return None
 
 
 def check_model(scheme, a, task):

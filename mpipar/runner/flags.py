@@ -39,6 +39,15 @@ def common_flags(ap, scheme):
     g.add_argument("--seed", type=int, default=0, help="seeds the weights and the batches")
     g.add_argument("--dtype", choices=["float32", "float64"], default="float32",
                    help="float64 for exact comparisons between schemes")
+    g.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="bf16 or fp16: parameters, gradients and activations stored in 16 bits, "
+                        "computed in float32, updated through float32 master weights (the "
+                        "serial trainer so far)")
+    g.add_argument("--loss-scale", type=float, default=2.0 ** 16, metavar="S",
+                   help="fp16: the dynamic loss scale's start (default 65536; see "
+                        "mpipar/engine/precision.py for its rules)")
+    g.add_argument("--loss-scale-interval", type=int, default=1000, metavar="N",
+                   help="fp16: finite steps in a row before the loss scale doubles (1000)")
     g.add_argument("--backend", choices=["numpy", "cupy"], default="numpy")
     g.add_argument("--save-params", metavar="FILE.npz", type=given,
                    help="write the trained parameters under their canonical names")

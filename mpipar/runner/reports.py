@@ -44,7 +44,11 @@ class Report:
         return f"{a.steps} steps of {'global ' * (a.dp > 1)}batch {a.batch_size}"
 
     def tail(self):
-        return f"{self.a.optim} lr {self.a.lr}, {self.a.dtype}"
+        a = self.a
+        if getattr(a, "precision", "fp32") == "fp32":
+            return f"{a.optim} lr {a.lr}, {a.dtype}"
+        return (f"{a.optim} lr {a.lr}, {a.precision} storage, float32 compute and master weights"
+                + (f", loss scale from {a.loss_scale:g}" if a.precision == "fp16" else ""))
 
     def header(self):
         a = self.a
@@ -54,7 +58,16 @@ class Report:
                f"{self.training()}, {self.tail()}"
 
     def lines(self):
-        return [], expert_lines(getattr(self.trainer, "model", None))
+        return [], expert_lines(getattr(self.trainer, "model", None)) + scaler_lines(
+            getattr(self.trainer, "scaler", None), self.a.steps - self.start)
+
+
+def scaler_lines(scaler, steps):
+    """fp16's loss scale at the end, and the steps its overflows skipped."""
+    if scaler is None:
+        return []
+    return [f"loss scale {scaler.scale:g} at the end; {scaler.skipped} of {steps} steps "
+            f"skipped (a gradient overflowed)"]
 
 
 def expert_lines(model):
