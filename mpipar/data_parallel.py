@@ -67,10 +67,14 @@ asynchronous (stale) updates.
 
 import math
 
+import numpy as np
+
 from mpipar import serial
 from mpipar.engine import backend as B
+from mpipar.engine import precision
 from mpipar.engine.parameters import FlatBlock, Placement, place
 from mpipar.mpi import comm
+from mpipar.mpi.bf16 import bf16_sum
 from mpipar.mpi.comm import flatten, unflatten
 from mpipar.mpi.trace import TRACE
 from mpipar.runner.trainer import Trainer
@@ -167,14 +171,20 @@ class GradSync:
     buckets are then launched (Iallreduce) as they fill, in bucket order on every rank.
     :meth:`finish` launches what is left and waits: the sums are then in ``p.grad`` (a view
     into its bucket).
+
+    16-bit gradients (``--precision``): MPI has no bf16 sum, so ``grad_sum`` "fp32" (the
+    default) widens each bucket to float32, sums that (twice the bytes) and rounds the sum
+    back once; "bf16" sums the 2-byte words with :func:`mpipar.mpi.bf16.bf16_sum`, every
+    partial sum rounded (half the bytes).
     """
 
-    def __init__(self, dp_comm, params, algo="allreduce", bucket_mb=None, overlap=False):
+    def __init__(self, dp_comm, params, algo="allreduce", bucket_mb=None, overlap=False,
+                 grad_sum="fp32"):
         if algo not in ("allreduce", "ring"):
             raise ValueError(f"unknown algorithm {algo!r}: allreduce or ring")
         if overlap and algo != "allreduce":
             raise ValueError("overlap needs the non-blocking Iallreduce (algo='allreduce')")
-        self.comm, self.algo, self.overlap = dp_comm, algo, overlap
+        self.comm, self.algo, self.overlap, self.grad_sum = dp_comm, algo, overlap, grad_sum
         cap = None if bucket_mb is None else bucket_mb * 2**20
         groups = make_buckets(list(params), cap)
         self.buckets = [Bucket(ps, f"gradient bucket {i + 1} of {len(groups)}")
@@ -201,10 +211,16 @@ class GradSync:
         b = self.buckets[self.n_launched]
         self.n_launched += 1
         self.launched_after.append(self.n_ready)
+        flat = b.flat
+        if flat.dtype.itemsize == 2 and self.grad_sum == "bf16":  # 2-byte words, rounded sums
+            bf16_sum(self.comm, flat, what=b.name)
+            return
+        if flat.dtype.itemsize == 2:  # widened, summed in float32, rounded back at the end
+            b.wide = flat = flat.astype(np.float32)
         if self.algo == "allreduce":
-            b.request = self.comm.Iallreduce(b.flat, what=b.name)
+            b.request = self.comm.Iallreduce(flat, what=b.name)
         else:
-            ring_allreduce(self.comm, b.flat, what=b.name)
+            ring_allreduce(self.comm, flat, what=b.name)
 
     def finish(self):
         while self.n_launched < len(self.buckets):
@@ -213,6 +229,9 @@ class GradSync:
             if b.request is not None:
                 b.request.wait()
                 b.request = None
+            if getattr(b, "wide", None) is not None:  # the float32 sum, once into 16 bits
+                b.flat[...] = b.wide
+                b.wide = None
         self.launch_log = self.launched_after  # kept for the tests
         self.start()  # ready for the next step
 
@@ -325,13 +344,17 @@ class Replica(Trainer):
                 logits = self.model.forward(x[lo:lo + n], micro_id)
                 loss += loss_fn.forward(logits, y[lo:lo + n], normalizer, micro_id)
             with TRACE.span("compute", "backward", micro=micro_id):
-                dlogits = loss_fn.backward(1.0, micro_id)
+                dlogits = loss_fn.backward(self.loss_scale(), micro_id)
                 if sync is not None and micro_id == len(micro_rows) - 1:
                     sync.start()  # the gradients become final during this backward
                     backward_layers(self.model, dlogits, micro_id, sync.grads_ready)
                 else:
                     self.model.backward(dlogits, micro_id)
         return loss
+
+    def loss_scale(self):
+        """fp16's loss scale (1 otherwise): the backward starts from the loss times it."""
+        return 1.0 if getattr(self, "scaler", None) is None else self.scaler.scale
 
     def global_loss(self, loss):
         """The sum of the replicas' losses, on every rank, for the runner to print (and to stop
@@ -414,7 +437,10 @@ class AllreduceScheme(Replica):
     def __init__(self, task, grid, args, model=None):
         super().__init__(task, grid, args, model)
         self.opt = serial.make_optimizer(args, self.params)
-        self.sync = GradSync(self.comm, self.params, args.sync, args.bucket_mb, args.overlap)
+        self.sync = GradSync(self.comm, self.params, args.sync, args.bucket_mb, args.overlap,
+                             getattr(args, "grad_sum", "fp32"))
+        self.scaler = precision.LossScaler(args.loss_scale, args.loss_scale_interval) \
+            if getattr(args, "precision", "fp32") == "fp16" else None
 
     def buffers(self):
         return [self.flat] + [b.flat for b in self.sync.buckets]
@@ -433,7 +459,8 @@ class AllreduceScheme(Replica):
                                     f"{len(self.sync.buckets)} bucket(s); every rank applies the "
                                     f"same update to its replica"):
             self.sync.finish()
-        self.opt.step()
+        precision.take_step(self.opt, self.scaler, lambda bad: comm.any_rank(
+            self.comm, bad, "did any rank's gradients overflow?"))
 
         # -- DP Step 5: nothing to broadcast: every replica made the same update --
         comm.narrate("DP Step 5: nothing to send: every replica made the same update")

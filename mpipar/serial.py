@@ -93,15 +93,8 @@ def train_step(model, loss_fn, opt, x, y, scaler=None):
     logits = model.forward(x)
     loss = loss_fn.forward(logits, y, normalizer=y.size)  # mean over every target
     loss += moe.balance(model)  # the MoE layers' load balancing over the batch (0 without)
-    scale = 1.0 if scaler is None else scaler.scale
-    model.backward(loss_fn.backward(scale))
-    if scaler is None:
-        opt.step()
-        return loss
-    opt.unscale = 1.0 / scale
-    finite = all(bool(B.xp.isfinite(B.load(p.grad)).all()) for p in opt.params)
-    if scaler.update(not finite):  # False: the step is skipped, the scale backs off
-        opt.step()
+    model.backward(loss_fn.backward(1.0 if scaler is None else scaler.scale))
+    precision.take_step(opt, scaler)  # with a scaler: skipped if a gradient overflowed
     return loss
 
 

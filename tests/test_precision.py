@@ -171,7 +171,9 @@ def test_master_weights_keep_an_update_below_half_a_bf16_unit():
      "--precision fp16 needs a positive, finite --loss-scale"),
     ("serial", ["--precision", "bf16", "--dtype", "float64"],
      "--precision bf16 stores in 16 bits and computes in float32 with NumPy"),
-    ("data_parallel", ["--precision", "bf16"], "--precision bf16 is in the serial trainer only"),
+    ("data_parallel", ["--precision", "bf16"], "--precision bf16 is in the serial trainer and "
+                                               "data_parallel --sync allreduce or ring"),
+    ("tensor_parallel", ["--precision", "fp16"], "--precision fp16 is in the serial trainer"),
     ("serial", ["--precision", "bf16", "--checkpoint", "x"],
      "--precision bf16 takes no --experts, --checkpoint"),
 ])
@@ -200,3 +202,18 @@ def test_an_unknown_precision_is_refused_by_argparse(capsys):
     with pytest.raises(SystemExit):
         parse_args("serial", ["--precision", "fp8"], 1)
     assert "argument --precision: invalid choice: 'fp8'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("ssend", ["0", "1"])
+def test_data_parallel_in_bf16_and_fp16_is_the_serial_trainer_s(mpirun, ssend):
+    """tests/mpi/precision_checks.py: 4 and 2 replicas, the float32 and the bf16 gradient sum,
+    fp16 with and without overflows; bytes, bits across replicas, the serial masters within
+    3% of their change, the same skipped steps; a sum left out is caught."""
+    from conftest import MPI_SCRIPTS
+
+    out = mpirun(4, [MPI_SCRIPTS / "precision_checks.py"], timeout=180,
+                 env={"MPIPAR_SSEND": ssend}).stdout
+    assert "precision checks passed on 4 ranks" in out, out
+    assert "planted Unsummed: caught" in out, out
+    assert "4 ranks, fp16, sum in fp32 --loss-scale 3e5: worst change off the serial" in out
+    assert "2 of 3 steps skipped" in out, out

@@ -135,6 +135,7 @@ def set_precision(name):
     from mpipar.engine.precision import dtype_of
 
     dtype, compute, low = dtype_of(name).type, np.float32, True
+    np.seterr(over="ignore", invalid="ignore")  # an overflow is expected: the loss scale's
     return dtype
 
 
@@ -209,12 +210,19 @@ def pinned(shape, dtype_):
     return np.frombuffer(memory, dtype_, size).reshape(shape)
 
 
+def words(a):
+    """A bf16 array as MPI can move it: its raw 2-byte words (uint16), the same memory. MPI
+    has no bf16 type (MPICH's float16 is fp16); anything else as it is."""
+    return a.view(np.uint16) if a.dtype.kind == "V" and a.dtype.itemsize == 2 else a
+
+
 def host(a):
     """The array MPI reads: itself for NumPy, for a host array (such as a message header,
     also under CuPy) and for a device array when MPI is CUDA-aware; else a pinned host copy
-    of the device array (stream synchronised first), counted in STAGED."""
+    of the device array (stream synchronised first), counted in STAGED. bf16 goes as its
+    2-byte words (:func:`words`)."""
     if xp is np or isinstance(a, np.ndarray):
-        return a
+        return words(a)
     synchronize()
     if CUDA_AWARE:
         return a
@@ -230,7 +238,7 @@ def host_out(a):
     a host array: NumPy's, or a header received into host memory under CuPy, and for a device
     array that a CUDA-aware MPI writes itself)."""
     if xp is np or isinstance(a, np.ndarray):
-        return a, None
+        return words(a), None
     if CUDA_AWARE:
         synchronize()  # the stream's earlier work on it is done before MPI writes
         return a, None

@@ -115,6 +115,25 @@ class LossScaler:
         self.overflows_left, self.skipped = int(state["overflows_left"]), int(state["skipped"])
 
 
+def take_step(opt, scaler, agree=None):
+    """The update of one step: ``opt.step()``; with a loss ``scaler`` (fp16), only if every
+    gradient is finite, the gradients divided by the scale first (``opt.unscale``) and the
+    scale then adjusted (:meth:`LossScaler.update`). ``agree(overflow)`` turns this rank's
+    answer into the job's (every rank must skip the same steps). Returns whether it updated."""
+    if scaler is None:
+        opt.step()
+        return True
+    opt.unscale = 1.0 / scaler.scale
+    overflow = not all(bool(np.isfinite(np.asarray(p.grad, dtype=np.float32)).all())
+                       for p in opt.params)
+    if agree is not None:
+        overflow = agree(overflow)
+    taken = scaler.update(overflow)
+    if taken:
+        opt.step()
+    return taken
+
+
 def main():
     rows = [facts(name) for name in FORMATS]
     print(f"{'format':<9} {'bits':>4} {'exp':>4} {'mant':>4} {'largest':>12} "

@@ -48,8 +48,7 @@ def bf16_op():
 def bf16_sum(comm, buf, what="bf16 sum"):
     """Sum the bf16 array ``buf`` over ``comm`` in place, as 2-byte words with :func:`bf16_op`:
     ``buf.nbytes`` each way, every partial sum rounded to bf16."""
-    words = buf.view(np.uint16)  # MPI moves the raw words; the operation reads them as bf16
-    comm.Allreduce(words, op=bf16_op(), what=what)
+    comm.Allreduce(buf, op=bf16_op(), what=what)  # as raw words; the operation reads bf16
 
 
 def fp32_sum(comm, buf, what="fp32 sum of bf16"):

@@ -284,6 +284,10 @@ class Comm(PickledCalls):
     def Iallreduce(self, buf, op=MPI.SUM, what="", posted=True):
         """Non-blocking in-place Allreduce; call ``.wait()`` on the result before reading buf."""
         check_array(buf, what="Allreduce")
+        if B.words(buf) is not buf and op in (MPI.SUM, MPI.MAX, MPI.MIN, MPI.PROD):
+            raise TypeError("Allreduce: MPI has no bf16 arithmetic (it would add the raw "
+                            "2-byte words as integers): sum in float32, or with "
+                            "mpipar.mpi.bf16.bf16_sum")
         host, dev = B.host_out(buf)
         if dev is not None:
             host[...] = B.host(buf)
@@ -411,6 +415,14 @@ def step(label, detail):
     narrate(f"{label}: {detail}")
     with TRACE.span("sync", label):
         yield
+
+
+def any_rank(group, flag, what="any rank?"):
+    """Whether ``flag`` holds on any rank of ``group``: one Allreduce MAX of 0 or 1, so every
+    rank gets the same answer. A collective: every rank calls it."""
+    buf = np.array([float(bool(flag))])
+    group.Allreduce(buf, op=MPI.MAX, what=what)
+    return bool(buf[0])
 
 
 def world():

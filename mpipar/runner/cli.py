@@ -139,9 +139,13 @@ FLAG_RULES = [
     (CP, lambda a: a.recompute,
      "--recompute is not in the context-parallel trainer: running attention's forward again "
      "would repeat its exchanges"),
-    (ALL, lambda a: a.precision != "fp32" and a.scheme != "serial",
-     "--precision {a.precision} is in the serial trainer only so far: run python -m "
-     "mpipar.serial, or --precision fp32"),
+    (ALL, lambda a: a.precision != "fp32" and not (
+        a.scheme == "serial" or a.scheme == "data_parallel" and a.sync != "master"
+        and not a.zero),
+     "--precision {a.precision} is in the serial trainer and data_parallel --sync allreduce or "
+     "ring (without --zero) so far: run one of those, or --precision fp32"),
+    (DP, lambda a: a.grad_sum == "bf16" and a.precision != "bf16",
+     "--grad-sum bf16 sums bf16 gradients: it needs --precision bf16"),
     (ALL, lambda a: a.precision != "fp32" and (a.dtype != "float32" or a.backend != "numpy"),
      "--precision {a.precision} stores in 16 bits and computes in float32 with NumPy: it takes "
      "no --dtype float64 (the exactness mode) and no --backend cupy yet"),
@@ -279,7 +283,7 @@ def complete(a, scheme, n):
             setattr(a, key, value)
     absent = dict(explain=False, micro_batches=1, chunks=1, partition=None, bucket_mb=None,
                   overlap=False, dp=1, tp=1, pp=1, sequence_parallel=False, ep=1, a2a="mpi",
-                  cp=1, cp_algo="ring")
+                  cp=1, cp_algo="ring", grad_sum="fp32")
     for key in [key for key in absent if not hasattr(a, key)]:
         setattr(a, key, absent[key])
     a.dp, a.tp, a.pp = {"data_parallel": (n, 1, 1), "tensor_parallel": (1, n, 1),

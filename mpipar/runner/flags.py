@@ -149,6 +149,9 @@ def scheme_flags(ap, scheme):
                             "gradients (in --bucket-mb buckets, --overlap), 3 also the "
                             "parameters, layer by layer (as FSDP; --overlap prefetches)")
         g.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps")
+        g.add_argument("--grad-sum", choices=["fp32", "bf16"], default="fp32",
+                       help="with --precision bf16: sum the gradients in float32 (twice the "
+                            "bytes, default) or as bf16 through a user-defined MPI operation")
     elif scheme == "tensor_parallel":
         ap.add_argument("--update", choices=["local", "master"], default="local",
                         help="local: each rank updates its shards (Megatron); master: rank 0 "

@@ -95,7 +95,8 @@ class DataParallelReport(Report):
 
     def lines(self):
         state = self.grid.dp_comm.gather_obj(self.trainer.optimizer_state_bytes())
-        return [f"optimizer state bytes per rank: {state}"], []
+        return [f"optimizer state bytes per rank: {state}"], scaler_lines(
+            getattr(self.trainer, "scaler", None), self.a.steps - self.start)
 
 
 class TensorParallelReport(Report):

@@ -1,0 +1,124 @@
+"""mpirun -n 4 python tests/mpi/precision_checks.py: data parallelism in bf16 and fp16.
+
+The GPT (width 16, 2 blocks, 8 tokens, 12 rows) with SGD, 3 steps, on 4 and 2 ranks. For each
+case, on every rank:
+- the bytes of the gradient sum: the float32 sum sends 4 bytes a gradient (the bf16 gradients
+  widened), the bf16 sum 2 (Comm.stats of the Allreduce), and fp16 8 more, the one float
+  of the job-wide overflow verdict;
+- every replica holds the same bits after each step;
+- against the serial trainer in the same precision, each parameter's float32 master moved
+  within 3% of its largest change over the 3 steps: the runs differ in rounding only (a
+  replica's gradient is rounded to 16 bits before the sum, the serial one after; the bf16 sum
+  rounds each partial sum), a few units of 2^-8 of a gradient, and SGD moves a weight in
+  proportion to it, where a rank's gradients left out or counted twice would move it by a
+  quarter or more;
+- fp16 (from a loss scale of 1024, which no gradient here overflows, then of 3e5, whose
+  first two steps overflow: skipped, the second halving the scale, the third taken): every
+  rank skips the steps the serial trainer skips and ends at its scale.
+"""
+
+import sys
+
+import numpy as np
+from reference import make_task
+
+from mpipar import data_parallel as D
+from mpipar.engine import backend as B
+from mpipar.mpi import comm as C
+from mpipar.mpi.grid import Grid
+
+C.install_excepthook()
+world = C.world()
+RANK, STEPS = world.rank, 3
+GPT = ["--model", "gpt", "--d-model", "16", "--n-heads", "2", "--n-layers", "2", "--seq-len",
+       "8", "--batch-size", "12", "--optim", "sgd", "--sync", "allreduce"]
+
+
+def fail(what):
+    sys.stderr.write(f"[rank {RANK}] FAILED: {what}\n")
+    world.mpi.Abort(1)
+
+
+def initial(task):
+    model = task.build_model()
+    return {n: p.init_value(task.args.seed, n).astype(np.float32).astype(B.dtype).astype(
+        np.float64) for n, p in model.named_parameters()}
+
+
+def master(opt, p):
+    """The float32 master of ``p`` (its value itself while every step has been skipped)."""
+    return (opt.state[p][-1] if p in opt.state else p.data).astype(np.float64)
+
+
+class Unsummed(D.AllreduceScheme):
+    """The planted mistake: each replica updates with its own rows' gradients alone."""
+
+    def __init__(self, task, grid, args):
+        super().__init__(task, grid, args)
+        self.sync.finish = lambda: None
+
+
+def check(n, precision, grad_sum, extra=(), cls=D.AllreduceScheme, strict=True):
+    flags = [*GPT, "--precision", precision, *extra]
+    serial_flags = [f for f in flags if f not in ("--sync", "allreduce")]
+    task = make_task([*flags, "--grad-sum", grad_sum], "data_parallel", n)
+    opt, serial_scale = serial_reference(make_task(serial_flags))
+    want = {p.name: master(opt, p) for p in opt.params}  # the float32 masters
+    w0 = initial(task)
+    t = cls(task, Grid(dp=n, mpi_comm=world.mpi.Split(RANK // n, RANK)), task.args)
+    grads = sum(p.size for p in t.params)
+    for step in range(STEPS):
+        t.comm.reset_stats()
+        t.step(step)
+        sent = t.comm.stats["Allreduce"]["sent"]  # with fp16, + the 8-byte overflow verdict
+        if strict and sent != grads * (2 if grad_sum == "bf16" else 4) + 8 * (precision == "fp16"):
+            fail(f"{(n, precision, grad_sum)}: the gradient sum sent {sent} bytes for {grads}")
+    scaler = t.scaler.state() if t.scaler else None
+    if len(set(map(str, t.comm.allgather_obj(scaler)))) != 1:
+        fail(f"{(n, precision, grad_sum)}: the ranks' loss scales differ: {scaler}")
+    if strict and scaler != serial_scale:
+        fail(f"{(n, precision, grad_sum)}: loss scale {scaler}, the serial trainer's "
+             f"{serial_scale}")
+    worst = 0.0
+    for name, p in t.model.named_parameters():
+        got = master(t.opt, p)  # the master: its 16-bit rounding would hide less
+        if strict and len(set(t.comm.allgather_obj(got.tobytes()))) != 1:
+            fail(f"{(n, precision, grad_sum)}: the replicas' {name} differ")
+        moved = np.abs(want[name] - w0[name]).max()
+        if moved > 0:
+            worst = max(worst, float(np.abs(got - want[name]).max() / moved))
+        elif strict and np.abs(got - w0[name]).max() > 0:
+            fail(f"{(n, precision, grad_sum)}: {name} moved where the serial one did not")
+    if strict and worst > 0.03:
+        fail(f"{(n, precision, grad_sum)}: a parameter's change is {worst:.1%} off the serial")
+    return worst, scaler
+
+
+def serial_reference(task):
+    """The serial trainer's STEPS steps in this precision, with its own loss scaler for fp16:
+    its optimizer (the masters) and the scaler's state (None without one)."""
+    from mpipar import serial
+    from mpipar.engine import precision
+
+    model = task.build_model().init(task.args.seed)
+    opt = serial.make_optimizer(task.args, model.parameters())
+    scaler = precision.LossScaler(task.args.loss_scale, task.args.loss_scale_interval) \
+        if task.args.precision == "fp16" else None
+    for s in range(STEPS):
+        serial.train_step(model, task.loss_fn, opt, *task.to_device(*task.batch(s)), scaler)
+    return opt, scaler.state() if scaler else None
+
+
+for n in (4, 2):
+    for precision, grad_sum, extra in (("bf16", "fp32", ()), ("bf16", "bf16", ()),
+                                       ("fp16", "fp32", ("--loss-scale", "1024")),
+                                       ("fp16", "fp32", ("--loss-scale", "3e5"))):
+        worst, scaler = check(n, precision, grad_sum, extra)
+        C.log(f"{n} ranks, {precision}, sum in {grad_sum}{' ' + ' '.join(extra) if extra else ''}"
+              f": worst change off the serial {worst:.2%}"
+              + (f", {scaler['skipped']} of {STEPS} steps skipped" if scaler else ""))
+worst, _ = check(4, "bf16", "fp32", cls=Unsummed, strict=False)
+if not worst > 0.25:
+    fail(f"the planted Unsummed passed the comparison ({worst:.1%} off the serial)")
+C.log(f"planted Unsummed: caught, a parameter's change {worst:.0%} off the serial")
+C.log(f"precision checks passed on {world.size} ranks")
