@@ -208,12 +208,14 @@ def test_an_unknown_precision_is_refused_by_argparse(capsys):
 def test_data_parallel_in_bf16_and_fp16_is_the_serial_trainer_s(mpirun, ssend):
     """tests/mpi/precision_checks.py: 4 and 2 replicas, the float32 and the bf16 gradient sum,
     fp16 with and without overflows; bytes, bits across replicas, the serial masters within
-    3% of their change, the same skipped steps; a sum left out is caught."""
+    3% of their change, the same skipped steps; a sum left out, and a rank's own overflow
+    verdict in place of the job's, are caught."""
     from conftest import MPI_SCRIPTS
 
     out = mpirun(4, [MPI_SCRIPTS / "precision_checks.py"], timeout=180,
                  env={"MPIPAR_SSEND": ssend}).stdout
     assert "precision checks passed on 4 ranks" in out, out
     assert "planted Unsummed: caught" in out, out
+    assert "planted LocalVerdict: caught, a rank updated with an overflowed gradient" in out
     assert "4 ranks, fp16, sum in fp32 --loss-scale 3e5: worst change off the serial" in out
     assert "2 of 3 steps skipped" in out, out

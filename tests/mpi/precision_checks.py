@@ -15,6 +15,9 @@ case, on every rank:
 - fp16 (from a loss scale of 1024, which no gradient here overflows, then of 3e5, whose
   first two steps overflow: skipped, the second halving the scale, the third taken): every
   rank skips the steps the serial trainer skips and ends at its scale.
+Two planted mistakes train and yet fail: gradients left unsummed, and each rank's overflow
+verdict taken from its own gradients before the sum (fp16 from 3e5: a sum of finite
+gradients overflows, and the ranks that saw none update with it).
 """
 
 import sys
@@ -24,6 +27,7 @@ from reference import make_task
 
 from mpipar import data_parallel as D
 from mpipar.engine import backend as B
+from mpipar.engine import precision as MP
 from mpipar.mpi import comm as C
 from mpipar.mpi.grid import Grid
 
@@ -58,6 +62,21 @@ class Unsummed(D.AllreduceScheme):
         self.sync.finish = lambda: None
 
 
+class LocalVerdict(D.AllreduceScheme):
+    """The planted mistake: each rank decides from its own gradients, before the sum, whether
+    the step overflowed. Right while no rank or every rank overflows; wrong when the sum of
+    finite gradients overflows (or only some ranks' do): some ranks then update with inf."""
+
+    def step(self, step):
+        self.model.zero_grad()
+        x, y, normalizer = self.own_rows(step)
+        loss = self.forward_backward(x, y, normalizer)
+        mine = not all(np.isfinite(p.grad.astype(np.float32)).all() for p in self.params)
+        self.sync.finish()
+        MP.take_step(self.opt, self.scaler, lambda _: mine)  # this rank's verdict
+        return self.global_loss(loss)
+
+
 def check(n, precision, grad_sum, extra=(), cls=D.AllreduceScheme, strict=True):
     flags = [*GPT, "--precision", precision, *extra]
     serial_flags = [f for f in flags if f not in ("--sync", "allreduce")]
@@ -85,7 +104,9 @@ def check(n, precision, grad_sum, extra=(), cls=D.AllreduceScheme, strict=True):
         if strict and len(set(t.comm.allgather_obj(got.tobytes()))) != 1:
             fail(f"{(n, precision, grad_sum)}: the replicas' {name} differ")
         moved = np.abs(want[name] - w0[name]).max()
-        if moved > 0:
+        if not np.isfinite(got).all():
+            worst = float("inf")  # an update with an overflowed gradient
+        elif moved > 0:
             worst = max(worst, float(np.abs(got - want[name]).max() / moved))
         elif strict and np.abs(got - w0[name]).max() > 0:
             fail(f"{(n, precision, grad_sum)}: {name} moved where the serial one did not")
@@ -117,8 +138,12 @@ for n in (4, 2):
         C.log(f"{n} ranks, {precision}, sum in {grad_sum}{' ' + ' '.join(extra) if extra else ''}"
               f": worst change off the serial {worst:.2%}"
               + (f", {scaler['skipped']} of {STEPS} steps skipped" if scaler else ""))
-worst, _ = check(4, "bf16", "fp32", cls=Unsummed, strict=False)
-if not worst > 0.25:
-    fail(f"the planted Unsummed passed the comparison ({worst:.1%} off the serial)")
-C.log(f"planted Unsummed: caught, a parameter's change {worst:.0%} off the serial")
+for mistake, case in ((Unsummed, ("bf16", "fp32", ())),
+                      (LocalVerdict, ("fp16", "fp32", ("--loss-scale", "3e5")))):
+    worst, _ = check(4, *case, cls=mistake, strict=False)
+    if not worst > 0.25:
+        fail(f"the planted {mistake.__name__} passed the comparison ({worst:.1%} off)")
+    C.log(f"planted {mistake.__name__}: caught, " + (
+        f"a parameter's change {worst:.0%} off the serial" if np.isfinite(worst) else
+        "a rank updated with an overflowed gradient (weights not finite)"))
 C.log(f"precision checks passed on {world.size} ranks")
