@@ -360,6 +360,19 @@ def test_lesson_12_exercise_2_is_the_picture_s_run():
     assert d["balance"] == pytest.approx(8 / 15, abs=1e-6)
 
 
+# ----------------------------------------------------------------------------- lesson 13
+def test_lesson_13_exercise_2_scales_are_the_rules():
+    """Megatron's rules (hysteresis 2) and PyTorch's (1) after 14 overflows from 1e9."""
+    from mpipar.engine import precision as P
+
+    text = (LESSONS / "solutions" / "13-mixed-precision.md").read_text()
+    for hysteresis, shown in ((2, "122,070.3"), (1, "61,035.2")):
+        s = P.LossScaler(init_scale=1e9, hysteresis=hysteresis, min_scale=0.0)
+        for _ in range(14):
+            s.update(True)
+        assert f"{s.scale:,.1f}" == shown and shown in text
+
+
 # ----------------------------------------------------------------------------- lesson 9
 def test_lesson_9_link_numbers_are_the_csv():
     """The table lesson 9 shows is plots/link.csv's run (each rate's DP steps, exposed
