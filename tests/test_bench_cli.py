@@ -59,6 +59,8 @@ def worker_flags(monkeypatch, name, argv, via_dispatcher=False):
     ("hybrid", ["--quick", "--rounds", "4"], {"--rounds": "4", "--warmup": "1"}),
     ("hybrid", ["--quick", "--warmup", "3"], {"--rounds": "2", "--warmup": "3"}),
     ("hybrid", [], {"--rounds": "8", "--warmup": "2"}),
+    ("precision", ["--quick"], {"--precision": "fp32", "--steps": "20"}),
+    ("precision", [], {"--precision": "fp32", "--steps": "250"}),
     ("context", ["--quick"], {"--warmup": "1", "--steps": "3"}),
     ("context", [], {"--warmup": "6", "--steps": "15"}),
     ("experts", ["--quick"], {"--warmup": "10", "--steps": "3"}),

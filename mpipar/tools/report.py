@@ -50,7 +50,7 @@ from mpipar.tools.validate import (  # noqa: E402
 # bench link (about 5 minutes) runs after these when this machine can emulate hosts (root,
 # network namespaces: run_link); otherwise its section keeps the committed link.csv
 BENCHES = ["engine", "overhead", "flops", "net", "dp", "tp", "pp", "pp_wide", "hybrid", "experts",
-           "context", "ckpt", "memory"]
+           "context", "precision", "ckpt", "memory"]
 
 
 def _true(value):

@@ -1,7 +1,7 @@
 """python -m mpipar.tools.bench NAME (engine, flops, net, dp, pp, pp_wide, tp, hybrid, experts,
-context, ckpt, memory, overhead, link, wait): run one benchmark, write its CSV and pictures
-into --out DIR (default: a scratch folder; --out plots replaces the committed results, as make
-report does). Flags given beside --quick win over its shorter defaults."""
+context, precision, ckpt, memory, overhead, link, wait): run one benchmark, write its CSV and
+pictures into --out DIR (default: a scratch folder; --out plots replaces the committed
+results, as make report does). Flags given beside --quick win over its shorter defaults."""
 
 import argparse
 import importlib
@@ -20,6 +20,7 @@ BENCHES = {
     "hybrid": "every DP x TP x PP layout of 4 ranks",
     "experts": "expert parallelism: a step with an unbalanced router against a balanced one",
     "context": "context parallelism: each rank's attention with the ring, zigzag and Ulysses",
+    "precision": "fp32, bf16 and fp16 training losses; the bytes of each gradient sum",
     "flops": "the FLOP rate per rank while 1, 2 or 4 ranks compute at once",
     "ckpt": "checkpoint write and read time per rank against the model's size",
     "memory": "bytes each rank holds (the memory ledger) and step time: ZeRO 0-3, recomputation",
