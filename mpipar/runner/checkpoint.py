@@ -198,7 +198,7 @@ def save(directory, trainer, a, steps_done, loss):
     mine = [s for s in slots_of(trainer) if s.write]
     name, digest = f"rank-{rank:05d}.npz", None
     if problem is None:
-        arrays = {f"a{i}": B.to_numpy(s.array) for i, s in enumerate(mine)}
+        arrays = {f"a{i}": widened(B.to_numpy(s.array)) for i, s in enumerate(mine)}
         try:
             digest = _fsynced(os.path.join(tmp, name), lambda f: np.savez(f, **arrays))
         except OSError as err:
@@ -206,6 +206,7 @@ def save(directory, trainer, a, steps_done, loss):
     pieces = [dict(name=s.name, kind=s.kind, shape=s.shape, select=s.select, file=name,
                    key=f"a{i}") for i, s in enumerate(mine)]
     t = [o.t for o in trainer.optimizers() if hasattr(o, "t")]
+    scaler = getattr(trainer, "scaler", None)  # fp16's loss scale: the same on every rank
     gathered = world.gather_obj((name, digest, pieces, t, problem), root=0,
                                 what="each rank's pieces")
     if rank == 0:
@@ -215,6 +216,7 @@ def save(directory, trainer, a, steps_done, loss):
                             layout=dict(scheme=a.scheme, dp=a.dp, tp=a.tp, pp=a.pp,
                                         ranks=world.size),
                             adam_t=max((x for *_, ts, _ in gathered for x in ts), default=None),
+                            **({"loss_scale": scaler.state()} if scaler else {}),
                             files={f: d for f, d, *_ in gathered},
                             pieces=[piece for _, _, ps, *_ in gathered for piece in ps])
             problem = _commit(directory, tmp, final, manifest, a.keep)
@@ -407,7 +409,7 @@ def load(path, trainer, a):
             key = (s.name, s.kind)
             if key not in fulls:
                 fulls[key] = assemble(manifest["where"], by_key.get(key), s.shape, files, key)
-            if fulls[key].dtype != s.array.dtype:
+            if fulls[key].dtype != widened(np.empty(0, s.array.dtype)).dtype:  # 16-bit: float32
                 raise ValueError(f"--resume {manifest['where']}: {key[1]} of {key[0]} is "
                                  f"{fulls[key].dtype}, this run's {s.array.dtype}")
             s.array[...] = B.asarray(take(fulls[key], s.select)).reshape(s.array.shape)
@@ -419,4 +421,6 @@ def load(path, trainer, a):
     for o in trainer.optimizers():
         if hasattr(o, "t") and manifest["adam_t"] is not None:
             o.t = manifest["adam_t"]
+    if getattr(trainer, "scaler", None) is not None and "loss_scale" in manifest:
+        trainer.scaler.load(manifest["loss_scale"])
     return manifest["step"], manifest["loss"]

@@ -153,10 +153,8 @@ FLAG_RULES = [
                                                    and a.loss_scale_interval >= 1),
      "--precision fp16 needs a positive, finite --loss-scale and a --loss-scale-interval of 1 "
      "or more, got {a.loss_scale} and {a.loss_scale_interval}"),
-    (ALL, lambda a: a.precision != "fp32" and (a.experts or a.checkpoint or a.resume
-                                               or a.clip_grad or a.recompute),
-     "--precision {a.precision} takes no --experts, --checkpoint, --resume, --clip-grad or "
-     "--recompute yet"),
+    (ALL, lambda a: a.precision != "fp32" and (a.experts or a.recompute),
+     "--precision {a.precision} takes no --experts or --recompute yet"),
     (ALL, lambda a: activation_bytes(a) > memory_bytes(),
      "--batch-size {a.batch_size} would need about {a.need_gib:.1f} GiB of activations in one "
      "step, more than this machine's {a.have_gib:.1f} GiB: use a smaller batch or model"),

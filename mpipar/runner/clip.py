@@ -35,6 +35,8 @@ import math
 
 import numpy as np
 
+from mpipar.engine import backend as B
+
 EPS = 1e-6  # PyTorch's: keeps the scale finite for a zero gradient
 ORDER = ("tp", "ep", "pp", "dp", "world")  # every rank adds over its groups in this one order
 
@@ -62,8 +64,8 @@ def global_norm(params, groups):
     """sqrt of the sum of g^2 over every entry of the serial model, from this rank's
     ``params``: each counted here unless a copy on another rank of ``groups`` counts it (a
     tensor replicated over a group that is summed over is counted by that group's rank 0)."""
-    mine = sum(float((p.grad * p.grad).sum()) for p in params
-               if p.placement.first_of_replicas(groups))
+    mine = sum(float((g * g).sum()) for g in (B.load(p.grad) for p in params  # float32 of 16-bit
+                                               if p.placement.first_of_replicas(groups)))
     return math.sqrt(summed(mine, groups))
 
 
@@ -81,8 +83,9 @@ def apply(trainer, max_norm):
     for opt in trainer.optimizers():
         groups = split_groups(trainer, opt.params)
 
-        def step(opt=opt, groups=groups, update=opt.step):
-            trainer.grad_norm = clip(opt.params, global_norm(opt.params, groups), max_norm)
+        def step(opt=opt, groups=groups, update=opt.step):  # the norm of the unscaled gradients
+            norm = global_norm(opt.params, groups) * getattr(opt, "unscale", 1.0)  # fp16: over S
+            trainer.grad_norm = clip(opt.params, norm, max_norm)
             update()
         opt.step = step
     return trainer
