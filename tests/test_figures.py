@@ -15,6 +15,7 @@ from mpipar.mpi.grid import Grid
 from mpipar.parts.schedules import bubble_formula, schedule, simulate, simulated_bubble
 from mpipar.tools import figures
 from mpipar.tools.figures import collectives, context, experts, layouts
+from mpipar.tools.figures import precision as precision_figure
 from mpipar.tools.figures.draw import ThreadRanks, pyplot
 
 COMMITTED = ROOT / "lessons" / "figures"
@@ -148,6 +149,26 @@ def test_ring_picture_is_the_causal_pairs_the_layer_computes():
         for r, row in enumerate(d["steps"]):
             assert [cell["source"] for cell in row] == [(r - j) % g for j in range(g)]
     assert [len(cell["pairs"]) for cell in ring["steps"][2]] == [1, 1, 1, 0]
+
+
+def test_precision_picture_is_the_formats_ranges_on_a_real_step():
+    """The shares drawn are the gradient entries below half fp16's smallest subnormal (zero),
+    below its smallest normal (subnormal) and above its max, unscaled and times 2^16; the loss
+    scale leaves only the key biases' 128 rounding-noise entries (true gradient 0) lost, and
+    bf16 loses nothing. Lesson 13 quotes them."""
+    d = precision_figure.gradients_run()
+    assert d["limits"]["fp16"]["smallest_subnormal"] == -24
+    assert d["limits"]["fp16"]["smallest_normal"] == -14
+    assert d["shares"]["fp16 scaled"]["subnormal"] < d["shares"]["fp16 unscaled"]["subnormal"]
+    assert round(d["shares"]["fp16 scaled"]["zero"] * d["entries"]) == 128
+    assert all(v == 0 for k, s in d["shares"].items() if k.startswith("bf16")
+               for v in s.values())
+    assert sum(d["counts"]) == d["entries"]
+    text = (COMMITTED.parent / "13-mixed-precision.md").read_text()
+    for key, kind in (("fp16 unscaled", "subnormal"), ("fp16 unscaled", "zero"),
+                      ("fp16 scaled", "zero")):
+        assert f"{d['shares'][key][kind]:.2%}" in text, (key, kind)
+    assert f"{d['shares']['fp16 scaled']['subnormal']:.4%}" in text
 
 
 def test_an_error_on_one_stand_in_rank_ends_them_all():

@@ -24,10 +24,12 @@ Each picture runs the real function it shows and draws what that function did:
 8. ``context_ring.png``: :class:`~mpipar.context_parallel.RingAttention` on 4 threads, plain and
    zigzag: at each step of the ring, whose keys a rank holds and which (query chunk, key chunk)
    pairs it attends, skips or masks; its output checked against the serial attention core.
+9. ``precision_ranges.png``: every gradient entry of the serial GPT's first step, by power of two,
+   against fp16's range, without a loss scale and with 2^16 (and bf16's, which holds them all).
 
 Pictures 1-4 live in :mod:`mpipar.tools.figures.collectives`, 5-6 in
 :mod:`mpipar.tools.figures.layouts`, 7 in :mod:`mpipar.tools.figures.experts`, 8 in
-:mod:`mpipar.tools.figures.context`, the stand-ins and
+:mod:`mpipar.tools.figures.context`, 9 in :mod:`mpipar.tools.figures.precision`, the stand-ins and
 shared settings in :mod:`mpipar.tools.figures.draw`. Each figure function returns the data it
 drew (lists and rounded numbers; a ``*_run`` or ``*_layout`` function computes it without
 drawing); ``data.json`` next to the PNGs holds a SHA-256 of each, and the tests compare it with
@@ -51,11 +53,12 @@ def figures():
     from mpipar.tools.figures import context as R
     from mpipar.tools.figures import experts as X
     from mpipar.tools.figures import layouts as L
+    from mpipar.tools.figures import precision as P
 
     return {"ring": C.ring_figure, "master_vs_ring": C.master_vs_ring_figure,
             "megatron_mlp": C.megatron_figure, "vocab_cross_entropy": C.cross_entropy_figure,
             "schedules": L.schedules_figure, "grid": L.grid_figure, "dispatch": X.dispatch_figure,
-            "context_ring": R.ring_figure}
+            "context_ring": R.ring_figure, "precision_ranges": P.precision_figure}
 
 
 def digest(data):
