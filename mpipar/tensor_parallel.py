@@ -85,7 +85,7 @@ widths.
 
 from mpipar import serial
 from mpipar.engine import backend as B
-from mpipar.engine import nn
+from mpipar.engine import nn, precision
 from mpipar.engine.parameters import place
 from mpipar.mpi import comm as C
 from mpipar.parts import sequence_parallel as SP
@@ -112,8 +112,10 @@ class TensorParallel(Trainer):
                   f"parameters ({sum(p.size for p in replicated):,} numbers)")
         self.loss_fn = tp_loss(task, self.comm)
         make_opt = lambda params: serial.make_optimizer(args, params)  # noqa: E731
-        self.updater = LocalUpdate(self.model, make_opt) if args.update == "local" \
+        self.updater = LocalUpdate(self.model, make_opt, self.comm) if args.update == "local" \
             else MasterUpdate(self.model, self.comm, make_opt)
+        self.scaler = precision.LossScaler(args.loss_scale, args.loss_scale_interval) \
+            if getattr(args, "precision", "fp32") == "fp16" else None
 
     def step(self, step):
         x, y = self.task.to_device(*self.task.batch(step))  # the whole batch on every rank
@@ -130,11 +132,12 @@ class TensorParallel(Trainer):
         # backward: f Allreduces the column-parallel input gradients (f' reduce-scatters them)
         C.narrate("TP Step 3, backward: f (or f') sums the input gradients of the column-parallel "
                   "layers; each shard's gradient is then complete")
-        self.model.backward(self.loss_fn.backward())
+        self.model.backward(self.loss_fn.backward(1.0 if self.scaler is None
+                                                  else self.scaler.scale))
         SP.allreduce_sequence_grads(self.model.parameters(), self.comm)  # --sequence-parallel
 
         # -- TP Step 4: aggregate the gradients and update the parameters --
-        self.updater.update()
+        self.updater.update(self.scaler)
 
         # -- TP Step 5: distribute the updated parameters for the next batch --
         self.updater.distribute()
@@ -153,15 +156,18 @@ class LocalUpdate:
     flows into it) and the optimizers are elementwise, so a shard's update is the slice of
     the full update; replicated gradients are equal on every rank, and so are their updates."""
 
-    def __init__(self, model, make_opt):
-        self.opt = make_opt(model.parameters())
+    def __init__(self, model, make_opt, tp_comm=None):
+        self.opt, self.tp_comm = make_opt(model.parameters()), tp_comm
 
     def zero_grad(self):
         self.opt.zero_grad()
 
-    def update(self):
+    def update(self, scaler=None):
+        """The step; with fp16's loss ``scaler``, taken only if no rank's shards overflowed:
+        the ranks hold other gradients, so the verdict is one Allreduce MAX over the group."""
         C.narrate("TP Step 4: each rank updates its own shards and replicated parameters")
-        self.opt.step()
+        precision.take_step(self.opt, scaler, lambda bad: C.any_rank(
+            self.tp_comm, bad, "did any rank's gradients overflow?"))
 
     def distribute(self):
         C.narrate("TP Step 5: no message: every rank already holds its updated shard")
@@ -212,7 +218,7 @@ class MasterUpdate:
         for p in self.params:
             p.grad[...] = 0
 
-    def update(self):
+    def update(self, scaler=None):  # (16 bits: the local update only)
         C.narrate("TP Step 4: gather the shard gradients to the master, which updates the "
                   "full matrices")
         fulls = gather_shards([p.grad for p in self.shards], self.shards, self.tp_comm,

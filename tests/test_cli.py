@@ -88,7 +88,7 @@ CASES = [  # (scheme, ranks, flags, what the message says)
                    "--sequence-parallel", "--seq-len", "6"],
      "--sequence-parallel with --cp 2 splits each rank's 6 / 2 tokens over the 2"),
     ("data_parallel", 2, ["--precision", "bf16", "--zero", "1", "--sync", "allreduce"],
-     "--precision bf16 is in the serial trainer and data_parallel --sync allreduce or ring"),
+     "--precision bf16 is in the serial trainer, data_parallel --sync allreduce or ring"),
     ("data_parallel", 2, ["--sync", "allreduce", "--grad-sum", "bf16"],
      "--grad-sum bf16 sums bf16 gradients: it needs --precision bf16"),
     ("serial", 1, ["--precision", "fp16", "--dtype", "float64"],

@@ -171,9 +171,11 @@ def test_master_weights_keep_an_update_below_half_a_bf16_unit():
      "--precision fp16 needs a positive, finite --loss-scale"),
     ("serial", ["--precision", "bf16", "--dtype", "float64"],
      "--precision bf16 stores in 16 bits and computes in float32 with NumPy"),
-    ("data_parallel", ["--precision", "bf16"], "--precision bf16 is in the serial trainer and "
+    ("data_parallel", ["--precision", "bf16"], "--precision bf16 is in the serial trainer, "
                                                "data_parallel --sync allreduce or ring"),
-    ("tensor_parallel", ["--precision", "fp16"], "--precision fp16 is in the serial trainer"),
+    ("pipeline", ["--precision", "fp16"], "--precision fp16 is in the serial trainer"),
+    ("tensor_parallel", ["--precision", "bf16", "--sequence-parallel", "--model", "gpt"],
+     "and tensor_parallel (without --update master or --sequence-parallel)"),
     ("serial", ["--precision", "bf16", "--model", "gpt", "--experts", "4"],
      "--precision bf16 takes no --experts or --recompute yet"),
 ])
@@ -205,11 +207,11 @@ def test_an_unknown_precision_is_refused_by_argparse(capsys):
 
 
 @pytest.mark.parametrize("ssend", ["0", "1"])
-def test_data_parallel_in_bf16_and_fp16_is_the_serial_trainer_s(mpirun, ssend):
-    """tests/mpi/precision_checks.py: 4 and 2 replicas, the float32 and the bf16 gradient sum,
-    fp16 with and without overflows; bytes, bits across replicas, the serial masters within
-    3% of their change, the same skipped steps; a sum left out, and a rank's own overflow
-    verdict in place of the job's, are caught."""
+def test_data_and_tensor_parallel_in_16_bits_are_the_serial_trainer_s(mpirun, ssend):
+    """tests/mpi/precision_checks.py: 4 and 2 replicas, tensor parallelism on 2 ranks, the
+    float32 and the bf16 gradient sum, fp16 with and without overflows; bytes, bits across
+    replicas, the serial masters within 3% of their change, the same skipped steps; a sum
+    left out, and a rank's own overflow verdict in place of the job's, are caught."""
     from conftest import MPI_SCRIPTS
 
     out = mpirun(4, [MPI_SCRIPTS / "precision_checks.py"], timeout=180,
@@ -219,6 +221,7 @@ def test_data_parallel_in_bf16_and_fp16_is_the_serial_trainer_s(mpirun, ssend):
     assert "planted LocalVerdict: caught, a rank updated with an overflowed gradient" in out
     assert "4 ranks, fp16, sum in fp32 --loss-scale 3e5: worst change off the serial" in out
     assert "2 of 3 steps skipped" in out, out
+    assert "tensor parallel on 2 ranks, fp16 --loss-scale 3e5: 2 of 3 steps skipped" in out
 
 
 @pytest.mark.parametrize("precision, flags", [("bf16", []), ("fp16", ["--loss-scale", "1e9"])])

@@ -336,7 +336,7 @@ class Comm(PickledCalls):
         if is_root:
             check_array(sendbuf, what="Scatterv")
             check_rows("Scatterv", f"root {root}'s array", sendbuf, sum(counts), recvbuf)
-            send = [B.host(sendbuf), (elems, offsets(elems)), MPI._typedict[sendbuf.dtype.char]]
+            send = [B.host(sendbuf), (elems, offsets(elems)), mpi_type(sendbuf)]
         host_out, dev = B.host_out(recvbuf)
         self._count("Scatterv", sent=(sendbuf.nbytes - recvbuf.nbytes) if is_root else 0,
                     recv=0 if is_root else recvbuf.nbytes)
@@ -356,7 +356,7 @@ class Comm(PickledCalls):
             check_array(recvbuf, what="Gatherv result")
             check_rows("Gatherv", f"root {root}'s buffer", recvbuf, sum(counts), sendbuf)
             host_out, dev = B.host_out(recvbuf)
-            recv = [host_out, (elems, offsets(elems)), MPI._typedict[recvbuf.dtype.char]]
+            recv = [host_out, (elems, offsets(elems)), mpi_type(recvbuf)]
         self._count("Gatherv", sent=0 if is_root else sendbuf.nbytes,
                     recv=(recvbuf.nbytes - sendbuf.nbytes) if is_root else 0)
         req = self.mpi.Igatherv(B.host(sendbuf), recv, root=root)
@@ -388,15 +388,15 @@ class Comm(PickledCalls):
         check_rows("Alltoallv", f"rank {self.rank}'s array", sendbuf, sum(send_rows))
         check_rows("Alltoallv", f"rank {self.rank}'s buffer", recvbuf, sum(recv_rows), sendbuf)
         row = int(np.prod(sendbuf.shape[1:]))
-        mpi_type = MPI._typedict[sendbuf.dtype.char]
+        element = mpi_type(sendbuf)
         out_elems, in_elems = [c * row for c in send_rows], [c * row for c in recv_rows]
         t0, me = _now(), self.rank
         host_out, dev = B.host_out(recvbuf)
         per_row = row * sendbuf.dtype.itemsize
         sent = (sum(send_rows) - send_rows[me]) * per_row  # this rank's own rows are copied
         self._count("Alltoallv", sent=sent, recv=(sum(recv_rows) - recv_rows[me]) * per_row)
-        req = self.mpi.Ialltoallv([B.host(sendbuf), (out_elems, offsets(out_elems)), mpi_type],
-                                  [host_out, (in_elems, offsets(in_elems)), mpi_type])
+        req = self.mpi.Ialltoallv([B.host(sendbuf), (out_elems, offsets(out_elems)), element],
+                                  [host_out, (in_elems, offsets(in_elems)), element])
         self._blocking(req, "Alltoallv", f"rows out {list(send_rows)}, in {list(recv_rows)}",
                        sent, t0, what, host_out, dev)
 
@@ -415,6 +415,11 @@ def step(label, detail):
     narrate(f"{label}: {detail}")
     with TRACE.span("sync", label):
         yield
+
+
+def mpi_type(a):
+    """The MPI datatype of ``a``'s elements (bf16 as its 2-byte words: MPI has no bf16)."""
+    return MPI._typedict[B.words(a).dtype.char]
 
 
 def any_rank(group, flag, what="any rank?"):

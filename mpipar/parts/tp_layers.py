@@ -15,6 +15,7 @@ from mpipar.engine import backend as B
 from mpipar.engine import nn
 from mpipar.engine.parameters import Piece, put, take
 from mpipar.mpi import comm as C
+from mpipar.mpi.bf16 import bf16_sum
 from mpipar.parts.sequence_parallel import layer_name
 
 
@@ -180,11 +181,21 @@ class VocabParallelEmbedding(nn.Embedding):
 
 
 # ----------------------------------------------------------------------------- Step 3's messages
-def allreduce(tp_comm, a, op=MPI.SUM, what=""):
+def allreduce(tp_comm, a, op=MPI.SUM, what="", storage=False):
     """Allreduce ``a`` over the group, in place on a contiguous array, and return it.
-    A group of one rank makes no call (the result is ``a`` itself)."""
+    A group of one rank makes no call (the result is ``a`` itself). ``storage``: an
+    activation (or its gradient), which in mixed precision crosses in the 16-bit storage type,
+    summed as bf16 words (:func:`mpipar.mpi.bf16.bf16_sum`) or as fp16 (MPICH's float16), and
+    comes back as float32; the loss's statistics stay float32."""
     if tp_comm.size == 1:
         return a
+    if storage and B.low:
+        w = B.store(B.xp.ascontiguousarray(a))  # what travels: 16 bits a value
+        if w.dtype.kind == "V":
+            bf16_sum(tp_comm, w, what=what)
+        else:
+            tp_comm.Allreduce(w, op, what=what)
+        return B.load(w)
     a = a if a.flags.c_contiguous else B.xp.ascontiguousarray(a)
     tp_comm.Allreduce(a, op, what=what)
     return a
@@ -204,7 +215,8 @@ class CopyToTP:
         return x
 
     def backward(self, dx):
-        return allreduce(self.tp_comm, dx, what=f"f: input gradient of {layer_name(self.layer)}")
+        return allreduce(self.tp_comm, dx, what=f"f: input gradient of {layer_name(self.layer)}",
+                         storage=True)
 
 
 class ReduceFromTP:
@@ -217,7 +229,8 @@ class ReduceFromTP:
         self.tp_comm, self.layer = tp_comm, layer
 
     def forward(self, y):
-        return allreduce(self.tp_comm, y, what=f"g: partial outputs of {layer_name(self.layer)}")
+        return allreduce(self.tp_comm, y, what=f"g: partial outputs of {layer_name(self.layer)}",
+                         storage=True)
 
     def backward(self, dy):
         return dy
@@ -266,8 +279,10 @@ class VocabParallelCrossEntropy(nn.Module):
         self.tp_comm, self.vocab = tp_comm, vocab
         (self.lo, self.hi), = blocks(vocab, tp_comm.size)[tp_comm.rank]
 
+    KEEP_FULL = True  # the loss and its softmax in float32, whatever the storage type
+
     def forward(self, logits, targets, normalizer=None, micro_id=0):
-        z = nn._rows(logits)  # (N, V/t)
+        z = nn._rows(B.load(logits))  # (N, V/t), in float32 from 16-bit logits
         t = targets.reshape(-1)  # (N,)
         nn.check_targets(t, self.vocab)  # every rank checks the same targets
         normalizer = t.shape[0] if normalizer is None else normalizer

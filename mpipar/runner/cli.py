@@ -141,9 +141,11 @@ FLAG_RULES = [
      "would repeat its exchanges"),
     (ALL, lambda a: a.precision != "fp32" and not (
         a.scheme == "serial" or a.scheme == "data_parallel" and a.sync != "master"
-        and not a.zero),
-     "--precision {a.precision} is in the serial trainer and data_parallel --sync allreduce or "
-     "ring (without --zero) so far: run one of those, or --precision fp32"),
+        and not a.zero or a.scheme == "tensor_parallel" and a.update == "local"
+        and not a.sequence_parallel),
+     "--precision {a.precision} is in the serial trainer, data_parallel --sync allreduce or "
+     "ring (without --zero) and tensor_parallel (without --update master or "
+     "--sequence-parallel) so far: run one of those, or --precision fp32"),
     (DP, lambda a: a.grad_sum == "bf16" and a.precision != "bf16",
      "--grad-sum bf16 sums bf16 gradients: it needs --precision bf16"),
     (ALL, lambda a: a.precision != "fp32" and (a.dtype != "float32" or a.backend != "numpy"),

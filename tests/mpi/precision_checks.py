@@ -1,4 +1,5 @@
-"""mpirun -n 4 python tests/mpi/precision_checks.py: data parallelism in bf16 and fp16.
+"""mpirun -n 4 python tests/mpi/precision_checks.py: data and tensor parallelism in bf16 and
+fp16.
 
 The GPT (width 16, 2 blocks, 8 tokens, 12 rows) with SGD, 3 steps, on 4 and 2 ranks. For each
 case, on every rank:
@@ -15,7 +16,8 @@ case, on every rank:
 - fp16 (from a loss scale of 1024, which no gradient here overflows, then of 3e5, whose
   first two steps overflow: skipped, the second halving the scale, the third taken): every
   rank skips the steps the serial trainer skips and ends at its scale.
-Two planted mistakes train and yet fail: gradients left unsummed, and each rank's overflow
+Then tensor parallelism on 2 ranks (check_tp), whose activations cross in 16 bits. Two
+planted mistakes train and yet fail: gradients left unsummed, and each rank's overflow
 verdict taken from its own gradients before the sum (fp16 from 3e5: a sum of finite
 gradients overflows, and the ranks that saw none update with it).
 """
@@ -138,6 +140,48 @@ for n in (4, 2):
         C.log(f"{n} ranks, {precision}, sum in {grad_sum}{' ' + ' '.join(extra) if extra else ''}"
               f": worst change off the serial {worst:.2%}"
               + (f", {scaler['skipped']} of {STEPS} steps skipped" if scaler else ""))
+def check_tp(n, precision, extra=()):
+    """Tensor parallelism on n ranks: its activations cross in 16 bits (every g and f sum
+    rounded), so each gathered parameter is compared with the serial one within 3% of its
+    change plus one unit in the last place of its 16-bit value; the loss scale, if any, is
+    the serial trainer's on every rank."""
+    from mpipar import tensor_parallel as TPM
+    from mpipar.engine.precision import facts
+
+    flags = [f for f in GPT if f not in ("--sync", "allreduce")] + ["--precision", precision,
+                                                                   *extra]
+    opt, serial_scale = serial_reference(make_task(flags))
+    task = make_task(flags, "tensor_parallel", n)
+    w0 = initial(task)
+    t = TPM.TensorParallel(task, Grid(tp=n, mpi_comm=world.mpi.Split(RANK // n, RANK)),
+                           task.args)
+    for step in range(STEPS):
+        t.step(step)
+    scaler = t.scaler.state() if t.scaler else None
+    if len(set(map(str, t.comm.allgather_obj(scaler)))) != 1 or scaler != serial_scale:
+        fail(f"tp {(n, precision)}: loss scale {scaler}, the serial trainer's {serial_scale}")
+    full = t.full_params()
+    worst = 0.0
+    if t.comm.rank == 0:
+        eps = facts(precision)["eps"]
+        for p in opt.params:
+            got, want = full[p.name].astype(np.float64), p.data.astype(np.float64)
+            moved = np.abs(master(opt, p) - w0[p.name]).max()
+            err = np.abs(got - want).max()
+            if err > 0.03 * moved + eps * np.abs(want).max():
+                fail(f"tp {(n, precision)}: {p.name} is {err:.3g} off the serial, its change "
+                     f"{moved:.3g}")
+            worst = max(worst, err / max(moved, 1e-30))
+    return worst, scaler
+
+
+for n in (2,):  # the model has 2 heads: 2 tensor-parallel ranks
+    for precision, extra in (("bf16", ()), ("fp16", ("--loss-scale", "1024")),
+                             ("fp16", ("--loss-scale", "3e5"))):
+        worst, scaler = check_tp(n, precision, extra)
+        C.log(f"tensor parallel on {n} ranks, {precision}{' ' + ' '.join(extra) if extra else ''}"
+              + (f": {scaler['skipped']} of {STEPS} steps skipped" if scaler else ""))
+
 for mistake, case in ((Unsummed, ("bf16", "fp32", ())),
                       (LocalVerdict, ("fp16", "fp32", ("--loss-scale", "3e5")))):
     worst, _ = check(4, *case, cls=mistake, strict=False)
