@@ -439,8 +439,7 @@ class AllreduceScheme(Replica):
         self.opt = serial.make_optimizer(args, self.params)
         self.sync = GradSync(self.comm, self.params, args.sync, args.bucket_mb, args.overlap,
                              getattr(args, "grad_sum", "fp32"))
-        self.scaler = precision.LossScaler(args.loss_scale, args.loss_scale_interval) \
-            if getattr(args, "precision", "fp32") == "fp16" else None
+        self.scaler = precision.scaler_for(args)  # fp16's loss scale, or None
 
     def buffers(self):
         return [self.flat] + [b.flat for b in self.sync.buckets]

@@ -106,8 +106,7 @@ class Serial(Trainer):
         self.model = task.build_model().init(args.seed)
         self.opt = make_optimizer(args, self.model.parameters())
         self.loss_fn = task.loss_fn
-        self.scaler = precision.LossScaler(args.loss_scale, args.loss_scale_interval) \
-            if getattr(args, "precision", "fp32") == "fp16" else None
+        self.scaler = precision.scaler_for(args)  # fp16's loss scale, or None
 
     def step(self, step):
         x, y = self.task.to_device(*self.task.batch(step))

@@ -114,8 +114,7 @@ class TensorParallel(Trainer):
         make_opt = lambda params: serial.make_optimizer(args, params)  # noqa: E731
         self.updater = LocalUpdate(self.model, make_opt, self.comm) if args.update == "local" \
             else MasterUpdate(self.model, self.comm, make_opt)
-        self.scaler = precision.LossScaler(args.loss_scale, args.loss_scale_interval) \
-            if getattr(args, "precision", "fp32") == "fp16" else None
+        self.scaler = precision.scaler_for(args)  # fp16's loss scale, or None
 
     def step(self, step):
         x, y = self.task.to_device(*self.task.batch(step))  # the whole batch on every rank

@@ -115,6 +115,14 @@ class LossScaler:
         self.overflows_left, self.skipped = int(state["overflows_left"]), int(state["skipped"])
 
 
+def scaler_for(args):
+    """The run's loss scaler: fp16's, from ``--loss-scale`` and ``--loss-scale-interval``;
+    None in any other precision (nothing to scale)."""
+    if getattr(args, "precision", "fp32") != "fp16":
+        return None
+    return LossScaler(args.loss_scale, args.loss_scale_interval)
+
+
 def take_step(opt, scaler, agree=None):
     """The update of one step: ``opt.step()``; with a loss ``scaler`` (fp16), only if every
     gradient is finite, the gradients divided by the scale first (``opt.unscale``) and the

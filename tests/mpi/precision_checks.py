@@ -121,15 +121,11 @@ def serial_reference(task):
     """The serial trainer's STEPS steps in this precision, with its own loss scaler for fp16:
     its optimizer (the masters) and the scaler's state (None without one)."""
     from mpipar import serial
-    from mpipar.engine import precision
 
-    model = task.build_model().init(task.args.seed)
-    opt = serial.make_optimizer(task.args, model.parameters())
-    scaler = precision.LossScaler(task.args.loss_scale, task.args.loss_scale_interval) \
-        if task.args.precision == "fp16" else None
+    trainer = serial.Serial(task, None, task.args)
     for s in range(STEPS):
-        serial.train_step(model, task.loss_fn, opt, *task.to_device(*task.batch(s)), scaler)
-    return opt, scaler.state() if scaler else None
+        trainer.step(s)
+    return trainer.opt, trainer.scaler.state() if trainer.scaler else None
 
 
 for n in (4, 2):
