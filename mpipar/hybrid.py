@@ -82,8 +82,8 @@ With ``--cp G`` (:mod:`mpipar.context_parallel`; the dense GPT): each stage's re
 into cp groups of G consecutive replicas (Step 1 splits ``dp_comm``), which take the same rows
 and split their tokens (one contiguous chunk, or the zigzag's two); the rows go to the
 ``dp // G`` data-parallel groups in Step 3; every block's attention runs its core, on this
-rank's H/t heads, as the ring over ``cp_comm`` (:class:`RingParallelAttention`) or as Ulysses
-(:class:`UlyssesParallelAttention`, H/(t G) heads a rank), inside Step 4; with
+rank's H/t heads, as the ring over ``cp_comm`` or as Ulysses (H/(t G) heads a rank:
+:mod:`mpipar.parts.cp_models`), inside Step 4; with
 ``--sequence-parallel`` the tensor-parallel ranks split the cp rank's tokens once more. The
 gradient sum of Step 5 over ``dp_comm`` already covers the cp ranks, which hold the same
 parameters; messages between stages carry s/G tokens.
@@ -105,7 +105,6 @@ as it would without ZeRO.
 
 import numpy as np
 
-from mpipar import context_parallel as CP
 from mpipar import data_parallel as DP
 from mpipar import expert_parallel as EP
 from mpipar import pipeline as PP
@@ -117,7 +116,7 @@ from mpipar.engine import moe, nn
 from mpipar.engine.parameters import place
 from mpipar.mpi import comm
 from mpipar.mpi.grid import Grid
-from mpipar.parts import plan, tp_models
+from mpipar.parts import cp_models, plan, tp_models
 from mpipar.parts import sequence_parallel as SP
 from mpipar.parts.schedules import SCHEDULES, Backward
 from mpipar.parts.tp_layers import split_parameters
@@ -186,76 +185,6 @@ class BalancingStage(nn.Sequential):
         return super().backward(dout, micro_id)
 
 
-class RingParallelAttention(CP.RingAttention, tp_models.ParallelCausalSelfAttention):
-    """Tensor-parallel attention (this rank's H/t heads) whose core runs the ring over the
-    sequence's chunks on ``cp_comm``: the two compose, the ring on the local heads."""
-
-    def __init__(self, d_model, n_heads, tp_comm, cp_comm, algo):
-        tp_models.ParallelCausalSelfAttention.__init__(self, d_model, n_heads, tp_comm)
-        self.comm, self.algo = cp_comm, algo
-
-
-class UlyssesParallelAttention(CP.UlyssesAttention, tp_models.ParallelCausalSelfAttention):
-    """Tensor-parallel attention whose H/t heads are shared out again over ``cp_comm`` by
-    Ulysses' all-to-alls: H/(t cp) heads a rank, every token of the sequence."""
-
-    def __init__(self, d_model, n_heads, tp_comm, cp_comm):
-        tp_models.ParallelCausalSelfAttention.__init__(self, d_model, n_heads, tp_comm)
-        self.comm = cp_comm
-        self.n_local_heads //= cp_comm.size
-
-
-class ParallelContextEmbedding(CP.ContextParallelEmbedding, tp_models.ParallelGPTEmbedding):
-    """The vocabulary-parallel embedding of this rank's tokens: the position vectors of the
-    positions it holds (``held``)."""
-
-    def __init__(self, vocab, d_model, seq_len, tp_comm, held):
-        tp_models.ParallelGPTEmbedding.__init__(self, vocab, d_model, seq_len, tp_comm)
-        self.held = held
-
-
-class SequenceParallelContextEmbedding(tp_models.SequenceParallelGPTEmbedding):
-    """With sequence parallelism too: the tp rank's part of this cp rank's tokens, so its
-    positions are a slice of ``held``."""
-
-    def __init__(self, vocab, d_model, seq_len, tp_comm, held):
-        super().__init__(vocab, d_model, seq_len, tp_comm)
-        self.held = held
-
-    def forward(self, idx, micro_id=0):
-        lo, hi = SP.sequence_rows(idx.shape[1], self.tp_comm)
-        return self.tok.forward(idx, micro_id) + self.pos.data[B.asarray(self.held[lo:hi])]
-
-    def backward_weight(self, micro_id=0):
-        (dout,) = self.saved(micro_id)  # (B, n/t, C): this rank's rows of its tokens
-        lo = self.tp_comm.rank * dout.shape[1]
-        self.pos.grad[B.asarray(self.held[lo:lo + dout.shape[1]])] += dout.sum(axis=0)
-        self.tok.backward_weight(micro_id)
-
-
-def over_context(tp_model, args, grid, vocab):
-    """The tensor-parallel model's attention and embedding made context parallel over
-    ``grid.cp_comm`` (``--cp``, ``--cp-algo``): every block's core is the ring (or Ulysses)
-    on its tp heads, and the embedding adds the positions of this cp rank's tokens."""
-    held = CP.positions(grid.cp_rank, grid.cp_size, args.cp_algo, args.seq_len)
-    embed = SequenceParallelContextEmbedding if args.sequence_parallel else \
-        ParallelContextEmbedding
-    for i, (name, layer) in enumerate(tp_model.layers):
-        if name == "embed":
-            tp_model.layers[i] = (name, embed(vocab, args.d_model, args.seq_len,
-                                              grid.tp_comm, held))
-        elif name.startswith("blocks."):
-            layer.attn = UlyssesParallelAttention(args.d_model, args.n_heads, grid.tp_comm,
-                                                  grid.cp_comm) \
-                if args.cp_algo == "ulysses" else \
-                RingParallelAttention(args.d_model, args.n_heads, grid.tp_comm, grid.cp_comm,
-                                      args.cp_algo)
-            if args.sequence_parallel:  # f' and g' around it, as SequenceParallelBlock's
-                layer.attn.qkv.f = SP.GatherFromSequence(grid.tp_comm, layer.attn.qkv)
-                layer.attn.proj.g = SP.ScatterToSequence(grid.tp_comm, layer.attn.proj)
-    return held
-
-
 class Hybrid(Trainer):
     """One rank of the 3D trainer: ``__init__`` is Step 2, :meth:`step` Steps 3 to 6 for one
     global batch (Steps 5 and 6 run inside the pipeline, at its optimizer step)."""
@@ -272,7 +201,7 @@ class Hybrid(Trainer):
         counts, self.flops = plan.plan_stages(task, n_stages, m, args.partition)  # dense FLOPs
         self.bounds = plan.stage_bounds(counts)
         tp_model = tp_models.build_tp_model(task, self.tp_comm)  # every layer, none initialised
-        self.held = over_context(tp_model, args, grid, task.data.vocab) \
+        self.held = cp_models.over_context(tp_model, args, grid, task.data.vocab) \
             if grid.cp_size > 1 else None
         if args.experts:  # each block's feed-forward: this replica's share of the experts
             for name, block in tp_model.layers:
