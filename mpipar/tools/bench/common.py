@@ -237,6 +237,14 @@ def in_turns(trainers, warmup, steps, after=None):
     return times
 
 
+def step_columns(seconds):
+    """A row's step-time columns from the timed steps of :func:`in_turns`: median, min, max,
+    in ms."""
+    ms = [1e3 * t for t in seconds]
+    return dict(step_ms=round(statistics.median(ms), 3), step_ms_min=round(min(ms), 3),
+                step_ms_max=round(max(ms), 3))
+
+
 def number(kind=int, zero_ok=False):
     """An argparse type: a number > 0 (>= 0 with ``zero_ok``) of ``kind``, ``int`` (a whole
     number) or ``float`` (finite). Anything else (nan, inf, a word, nothing) is refused, and

@@ -26,6 +26,7 @@ from mpipar.tools.bench.common import (
     pyplot,
     run_ranks,
     save_figure,
+    step_columns,
     turns_flags,
     write_csv,
     wrote,
@@ -95,11 +96,9 @@ def main(argv=None):
                                                           "--steps", args.steps])
         ring = statistics.median(next(r for r in got if r["algo"] == "ring")["times"])
         for r in got:
-            ms = [1e3 * t for t in r["times"]]
             att = r["attention"]
             rows.append(dict(environment(2), bench="context", launch=launch, algo=r["algo"],
-                             step_ms=round(statistics.median(ms), 3),
-                             step_ms_min=round(min(ms), 3), step_ms_max=round(max(ms), 3),
+                             **step_columns(r["times"]),
                              ratio_to_ring=round(statistics.median(r["times"]) / ring, 4),
                              **{f"attention_ms_rank{i}": round(1e3 * t, 3)
                                 for i, t in enumerate(att)},

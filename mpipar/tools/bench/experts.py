@@ -31,6 +31,7 @@ from mpipar.tools.bench.common import (
     pyplot,
     run_ranks,
     save_figure,
+    step_columns,
     turns_flags,
     write_csv,
     wrote,
@@ -122,10 +123,8 @@ def main(argv=None):
                                                           "--steps", args.steps])
         balanced = statistics.median(next(r for r in got if r["coef"] == COEFS[-1])["times"])
         for r in got:
-            ms = [1e3 * t for t in r["times"]]
             rows.append(dict(environment(2), bench="experts", launch=launch, aux_coef=r["coef"],
-                             step_ms=round(statistics.median(ms), 3),
-                             step_ms_min=round(min(ms), 3), step_ms_max=round(max(ms), 3),
+                             **step_columns(r["times"]),
                              ratio_to_balanced=round(statistics.median(r["times"]) / balanced, 4),
                              busiest_over_mean=round(r["busiest"], 4),
                              tokens_per_expert_max_over_mean=round(r["worst"], 4),
