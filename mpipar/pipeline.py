@@ -59,7 +59,7 @@ Sec. 2-3.1; instruction lists after shallowspeed.
 Left out on purpose: the other zero-bubble schedules (ZB-H2, which stashes more to leave no
 bubble at all; the paper's automatic schedules; ZB-V, two chunks per stage) and the paper's
 optimizer step that does not wait for a global check (its post-validation); overlapping the
-next step's forward with this step's optimizer; a separate loss-scale for mixed precision.
+next step's forward with this step's optimizer.
 """
 
 from collections import namedtuple
@@ -68,7 +68,7 @@ import numpy as np
 
 from mpipar import serial
 from mpipar.engine import backend as B
-from mpipar.engine import nn
+from mpipar.engine import nn, precision
 from mpipar.engine.parameters import place
 from mpipar.mpi import comm
 from mpipar.mpi.trace import TRACE
@@ -105,6 +105,15 @@ def send_tensor(pp_comm, a, dest, tag, micro_id, what="a tensor"):
             pp_comm.Isend(a, dest, tag, what=what)]
 
 
+def dtype_of_code(code):
+    """The NumPy dtype a header's code names, or a description of a code that names none (bf16's
+    'E' names nothing to np.dtype: it is recognised as the expected dtype's own code)."""
+    try:
+        return np.dtype(chr(code))
+    except (TypeError, ValueError, OverflowError):  # not a header at all
+        return f"<dtype code {code}>"
+
+
 def recv_tensor(pp_comm, source, tag, micro_id, rows, dtype, what="a tensor"):
     """Receive the header, check it names the expected micro-batch, dtype and row count, then
     receive the array into a FRESH buffer (the stage caches it by reference until backward)."""
@@ -112,10 +121,7 @@ def recv_tensor(pp_comm, source, tag, micro_id, rows, dtype, what="a tensor"):
     pp_comm.Recv(header, source, tag, what=f"header of {what}")
     got_tag, got_micro, code, ndim = (int(v) for v in header[:4])
     shape = tuple(int(v) for v in header[4:4 + ndim])
-    try:
-        got_dtype = np.dtype(chr(code))
-    except (TypeError, ValueError, OverflowError):  # not a header at all
-        got_dtype = f"<dtype code {code}>"
+    got_dtype = np.dtype(dtype) if code == ord(np.dtype(dtype).char) else dtype_of_code(code)
     kind = "activation" if tag % CHUNK_TAG == TAG_ACT else "gradient"
     if (got_tag, got_micro, got_dtype) != (tag, micro_id, np.dtype(dtype)) or \
             not shape or shape[0] != rows:
@@ -153,6 +159,10 @@ class Pipeline(Trainer):
         self.loss_fn = task.loss_fn if self.is_last_stage else None
         params = place([p for chunk in chunks for p in chunk.parameters()], split=[self.comm])
         self.opt = serial.make_optimizer(args, params)
+        self.scaler = precision.scaler_for(args)  # fp16's loss scale, or None
+        self.update = self.opt if self.scaler is None else precision.Guarded(
+            self.opt, self.scaler, lambda bad: comm.any_rank(
+                self.comm, bad, "did any stage's gradients overflow?"))
         self.instructions = self.schedule_of(stage)
         self.micro_rows = comm.split_rows(args.batch_size, self.n_micro)
         self.peak_stash_bytes = 0
@@ -168,8 +178,9 @@ class Pipeline(Trainer):
             self.module, self.instructions, self.comm, self.micro_rows,
             inputs=micro_batches(x, m) if self.is_first_stage else None,
             targets=micro_batches(y, m) if self.is_last_stage else None,
-            loss_fn=self.loss_fn, normalizer=y.size, optimizer=self.opt,
-            measure_stash=not self.peak_stash_bytes)  # the first step's is every step's
+            loss_fn=self.loss_fn, normalizer=y.size, optimizer=self.update,
+            measure_stash=not self.peak_stash_bytes,  # the first step's is every step's
+            loss_scale=1.0 if self.scaler is None else self.scaler.scale)
         self.peak_stash_bytes = max(self.peak_stash_bytes, result.peak_stash_bytes)
         return share_loss(self.comm, result.loss)
 
@@ -224,7 +235,7 @@ class StageRunner:
     """
 
     def __init__(self, module, pp_comm, micro_rows, inputs=None, targets=None, loss_fn=None,
-                 normalizer=None, optimizer=None):
+                 normalizer=None, optimizer=None, loss_scale=1.0):
         self.module, self.comm, self.micro_rows = module, pp_comm, micro_rows
         self.chunks = chunks_of(module)
         self.stage, self.n_stages = pp_comm.rank, pp_comm.size
@@ -232,6 +243,7 @@ class StageRunner:
         self.is_last_stage = self.stage == self.n_stages - 1
         self.inputs, self.targets = inputs, targets  # first stage / last stage only
         self.loss_fn, self.normalizer, self.optimizer = loss_fn, normalizer, optimizer
+        self.loss_scale = loss_scale  # fp16: backward starts from the loss times it
         self.acts_in, self.acts_out = {}, {}  # (micro id, chunk) -> received input / output
         self.grads_in, self.grads_out = {}, {}  # (micro id, chunk) -> output's grad / input's
         self.sends = []  # posted sends, completed at the end of the step
@@ -292,7 +304,7 @@ class StageRunner:
     def output_grad(self, k, c=0):
         """The gradient that starts backward: from the loss on the last piece, else received."""
         if self.last_piece(c):
-            return self.loss_fn.backward(1.0, k)
+            return self.loss_fn.backward(self.loss_scale, k)
         return self.grads_in.pop((k, c))
 
     def recv_grad(self, k, c=0):
@@ -370,7 +382,7 @@ class StageRunner:
 
 def run_pipeline(module, instructions, pp_comm, micro_rows, inputs=None, targets=None,
                  loss_fn=None, normalizer=None, optimizer=None, zero_grad=True,
-                 measure_stash=True):
+                 measure_stash=True, loss_scale=1.0):
     """One training step of one stage: zero the gradients, run the schedule's instructions.
 
     ``module``: the stage, or the list of its model chunks (interleaved).
@@ -379,6 +391,7 @@ def run_pipeline(module, instructions, pp_comm, micro_rows, inputs=None, targets
     ``loss_fn``: forward(logits, targets, normalizer, micro_id) / backward(dout, micro_id), as
     nn.SoftmaxCrossEntropy; ``normalizer``: the target count of the whole batch.
     ``optimizer``: anything with ``step()`` (a hybrid scheme can allreduce inside it).
+    ``loss_scale``: fp16's loss scale, which the last stage's backward starts from.
     Returns StepResult(loss summed over micro-batches on the last stage else None, peak bytes
     of activations the module stashed, 0 without ``measure_stash``).
     """
@@ -386,7 +399,7 @@ def run_pipeline(module, instructions, pp_comm, micro_rows, inputs=None, targets
         for chunk in chunks_of(module):
             chunk.zero_grad()
     runner = StageRunner(module, pp_comm, micro_rows, inputs, targets, loss_fn, normalizer,
-                         optimizer)
+                         optimizer, loss_scale)
     return runner.run(instructions, measure_stash)
 
 

@@ -39,7 +39,7 @@ from mpipar.parts.schedules import format_schedule
 from mpipar.runner import checkpoint, clip, memory, recompute
 from mpipar.runner.checkpoint import load_params, save_params  # noqa: F401 (tests load with train's)
 from mpipar.runner.cli import SCHEMES, check_model, parse_args
-from mpipar.runner.reports import REPORTS, Report, written
+from mpipar.runner.reports import REPORTS, Report, scaler_lines, written
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -216,6 +216,7 @@ def main(scheme, argv=None, trainer_cls=None):
     params = trainer.full_params()  # narrated: a scheme's last step gathers the model
     comm.EXPLAIN = False
     lines = report.lines()  # a collective: every rank takes part
+    lines[1].extend(scaler_lines(getattr(trainer, "scaler", None), a.steps - start))
     if probe is not None:  # a collective too: the table of every rank's ledger
         lines[1].extend(memory.lines(probe, a, task, grid))
     if MPI.COMM_WORLD.Get_rank() == 0:

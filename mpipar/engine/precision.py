@@ -142,6 +142,17 @@ def take_step(opt, scaler, agree=None):
     return taken
 
 
+class Guarded:
+    """An optimizer whose ``step()`` is :func:`take_step` with ``scaler`` and ``agree``: what
+    a pipeline schedule's optimizer instruction calls in fp16 (skipped on any overflow)."""
+
+    def __init__(self, opt, scaler, agree):
+        self.opt, self.scaler, self.agree = opt, scaler, agree
+
+    def step(self):
+        return take_step(self.opt, self.scaler, self.agree)
+
+
 def main():
     rows = [facts(name) for name in FORMATS]
     print(f"{'format':<9} {'bits':>4} {'exp':>4} {'mant':>4} {'largest':>12} "

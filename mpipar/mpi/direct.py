@@ -24,7 +24,8 @@ class DirectComm(comm.Comm):
     ``bench net``'s alpha is a ping-pong through it). A direct Send or Recv formats no string
     (the flight recorder keeps the partner's rank, written out when it reports), reads no
     clock, and counts itself in plain counters that ``stats`` folds in when read. A traced or
-    narrated call, a device array and a strided one take the reference path."""
+    narrated call, a device array, a strided one and bf16 (moved as its 2-byte words) take the
+    reference path."""
 
     def __init__(self, mpi_comm, name="world"):
         super().__init__(mpi_comm, name)
@@ -48,7 +49,7 @@ class DirectComm(comm.Comm):
         ``stats`` counters). A 1-D array is C-contiguous exactly when MPI takes it (a strided
         one raises BufferError, which check_array then explains), so only an array of 2 or more
         dimensions has its flags read."""
-        if TRACE.calls or comm.EXPLAIN or type(buf) is not np.ndarray \
+        if TRACE.calls or comm.EXPLAIN or type(buf) is not np.ndarray or buf.dtype.kind == "V" \
                 or buf.ndim > 1 and not buf.flags.c_contiguous:
             return super().Send(buf, dest, tag, what)
         FLIGHT.waiting = call = (None, self.name, "Send", dest, what)  # the rank: "-> rank 3"
@@ -65,7 +66,7 @@ class DirectComm(comm.Comm):
 
     def Recv(self, buf, source, tag=0, what=""):
         """Receive into ``buf``; a message of any other size is an error. Written out as Send."""
-        if TRACE.calls or comm.EXPLAIN or type(buf) is not np.ndarray \
+        if TRACE.calls or comm.EXPLAIN or type(buf) is not np.ndarray or buf.dtype.kind == "V" \
                 or buf.ndim > 1 and not buf.flags.c_contiguous:
             return super().Recv(buf, source, tag, what)
         n, status = buf.nbytes, self.status
@@ -90,7 +91,7 @@ class DirectComm(comm.Comm):
     def Allreduce(self, buf, op=MPI.SUM, what=""):
         """Straight to MPI's blocking Allreduce for a C-contiguous host array (anything else
         takes the reference path, which refuses it or stages it)."""
-        if type(buf) is not np.ndarray or not buf.flags.c_contiguous:
+        if type(buf) is not np.ndarray or buf.dtype.kind == "V" or not buf.flags.c_contiguous:
             return super().Allreduce(buf, op, what)
         self._count("Allreduce", sent=buf.nbytes, recv=buf.nbytes)
         detail, t0 = f"all <-> all ({self.size})", _now()

@@ -58,8 +58,7 @@ class Report:
                f"{self.training()}, {self.tail()}"
 
     def lines(self):
-        return [], expert_lines(getattr(self.trainer, "model", None)) + scaler_lines(
-            getattr(self.trainer, "scaler", None), self.a.steps - self.start)
+        return [], expert_lines(getattr(self.trainer, "model", None))
 
 
 def scaler_lines(scaler, steps):
@@ -95,8 +94,7 @@ class DataParallelReport(Report):
 
     def lines(self):
         state = self.grid.dp_comm.gather_obj(self.trainer.optimizer_state_bytes())
-        return [f"optimizer state bytes per rank: {state}"], scaler_lines(
-            getattr(self.trainer, "scaler", None), self.a.steps - self.start)
+        return [f"optimizer state bytes per rank: {state}"], []
 
 
 class TensorParallelReport(Report):
