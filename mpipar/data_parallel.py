@@ -60,7 +60,7 @@ Run:
 
 ZeRO stages 2 and 3 (sharded gradients, then parameters too) are :mod:`mpipar.zero`'s.
 
-Left out on purpose: gradient compression, mixed precision, bucketed ZeRO-1, an overlapped
+Left out on purpose: gradient compression, bucketed ZeRO-1, an overlapped
 ring (the hand-written ring is blocking: overlapping it needs a communication thread), and
 asynchronous (stale) updates.
 """
@@ -73,8 +73,7 @@ from mpipar import serial
 from mpipar.engine import backend as B
 from mpipar.engine import precision
 from mpipar.engine.parameters import FlatBlock, Placement, place
-from mpipar.mpi import comm
-from mpipar.mpi.bf16 import bf16_sum
+from mpipar.mpi import bf16, comm
 from mpipar.mpi.comm import flatten, unflatten
 from mpipar.mpi.trace import TRACE
 from mpipar.runner.trainer import Trainer
@@ -213,7 +212,7 @@ class GradSync:
         self.launched_after.append(self.n_ready)
         flat = b.flat
         if flat.dtype.itemsize == 2 and self.grad_sum == "bf16":  # 2-byte words, rounded sums
-            bf16_sum(self.comm, flat, what=b.name)
+            bf16.bf16_sum(self.comm, flat, what=b.name)
             return
         if flat.dtype.itemsize == 2:  # widened, summed in float32, rounded back at the end
             b.wide = flat = flat.astype(np.float32)
@@ -239,8 +238,8 @@ class GradSync:
 def backward_layers(model, dout, micro_id, grads_ready):
     """``model.backward`` of an nn.Sequential, one layer at a time, telling ``grads_ready``
     which parameters are final after each layer (what DDP's autograd hooks do)."""
-    for _, layer in reversed(model.layers):
-        dout = layer.backward(dout, micro_id)
+    for _, layer in reversed(model.layers):  # passing 16 bits on, as nn.Sequential does
+        dout = B.store(layer.backward(B.load(dout), micro_id))
         grads_ready(layer.parameters())
     return dout
 
@@ -256,8 +255,8 @@ class ZeroOptimizer:
     4 + 4 + 8/P bytes per float32 parameter with Adam (plus the padding, < P values).
     """
 
-    def __init__(self, dp_comm, params, make_opt):
-        self.comm, self.params = dp_comm, list(params)
+    def __init__(self, dp_comm, params, make_opt, grad_sum="fp32"):
+        self.comm, self.params, self.grad_sum = dp_comm, list(params), grad_sum
         self.n = sum(p.size for p in self.params)
         self.shard_size = s = -(-self.n // dp_comm.size)  # ceil(n / P)
         self.flat = flatten([p.data for p in self.params],
@@ -275,9 +274,10 @@ class ZeroOptimizer:
     def reduce_scatter_grads(self):
         """shard.grad = the sum over ranks of this rank's block of the flat gradient. Comm has no
         in-place Reduce_scatter (MPI forbids a receive buffer inside the send buffer), so the sum
-        lands in a temporary of shard_size values first."""
-        got = B.xp.empty_like(self.shard.grad)  # (shard_size,)
-        self.comm.Reduce_scatter(self.flat_grad, got, what="every gradient, flat, padded")
+        lands in a temporary of shard_size values first (16-bit gradients: summed as
+        :func:`mpipar.mpi.bf16.reduce_scatter` says, float32 unless ``grad_sum`` is "bf16")."""
+        got = bf16.reduce_scatter(self.comm, self.flat_grad, self.grad_sum,
+                                  what="every gradient, flat, padded")  # (shard_size,)
         self.shard.grad[...] = got  # block r of the full gradients becomes its sum
 
     def update(self):
@@ -312,6 +312,7 @@ class Replica(Trainer):
         self.rows = comm.split_rows(args.batch_size, self.size)  # rows of the batch per rank
         self.n = sum(p.size for p in self.params)
         self.flat = B.xp.empty(self.n, dtype=B.dtype)  # all parameters (or gradients), flat
+        self.scaler = precision.scaler_for(args)  # fp16's loss scale, or None
 
         # -- DP Step 1: the master sends every parameter to every worker (Bcast) --
         comm.narrate(f"DP Step 1: rank 0 broadcasts all {self.n:,} parameters "
@@ -354,7 +355,13 @@ class Replica(Trainer):
 
     def loss_scale(self):
         """fp16's loss scale (1 otherwise): the backward starts from the loss times it."""
-        return 1.0 if getattr(self, "scaler", None) is None else self.scaler.scale
+        return 1.0 if self.scaler is None else self.scaler.scale
+
+    def take_step(self, opt):
+        """``opt.step()``; in fp16 skipped on every rank when any rank's gradients overflowed
+        (:func:`mpipar.engine.precision.take_step`, the verdict one Allreduce MAX)."""
+        precision.take_step(opt, self.scaler, lambda bad: comm.any_rank(
+            self.comm, bad, "did any rank's gradients overflow?"))
 
     def global_loss(self, loss):
         """The sum of the replicas' losses, on every rank, for the runner to print (and to stop
@@ -439,7 +446,6 @@ class AllreduceScheme(Replica):
         self.opt = serial.make_optimizer(args, self.params)
         self.sync = GradSync(self.comm, self.params, args.sync, args.bucket_mb, args.overlap,
                              getattr(args, "grad_sum", "fp32"))
-        self.scaler = precision.scaler_for(args)  # fp16's loss scale, or None
 
     def buffers(self):
         return [self.flat] + [b.flat for b in self.sync.buckets]
@@ -458,8 +464,7 @@ class AllreduceScheme(Replica):
                                     f"{len(self.sync.buckets)} bucket(s); every rank applies the "
                                     f"same update to its replica"):
             self.sync.finish()
-        precision.take_step(self.opt, self.scaler, lambda bad: comm.any_rank(
-            self.comm, bad, "did any rank's gradients overflow?"))
+        self.take_step(self.opt)  # (fp16: skipped by every rank if any rank's overflowed)
 
         # -- DP Step 5: nothing to broadcast: every replica made the same update --
         comm.narrate("DP Step 5: nothing to send: every replica made the same update")
@@ -473,7 +478,8 @@ class ZeroScheme(Replica):
 
     def __init__(self, task, grid, args, model=None):
         super().__init__(task, grid, args, model)
-        self.opt = ZeroOptimizer(self.comm, self.params, lambda ps: serial.make_optimizer(args, ps))
+        self.opt = ZeroOptimizer(self.comm, self.params, lambda ps: serial.make_optimizer(args, ps),
+                                 getattr(args, "grad_sum", "fp32"))
         self.flat = self.opt.flat[:self.n]  # Step 1's buffer is dropped: the parameters, flat
 
     def optimizers(self):
@@ -495,7 +501,7 @@ class ZeroScheme(Replica):
         with comm.step("DP Step 4", f"Reduce_scatter of the gradients; rank {self.rank} updates "
                                     f"its shard of {self.opt.shard_size:,} values"):
             self.opt.reduce_scatter_grads()
-        self.opt.update()
+        self.take_step(self.opt.opt)  # the shard's update (fp16: skipped on any overflow)
 
         # -- DP Step 5: the updated shards are allgathered into every replica --
         with comm.step("DP Step 5", f"Allgather of the updated shards ({self.flat.nbytes:,} bytes "

@@ -68,7 +68,7 @@ Reduce_scatter (each layer's gradient sum still blocks before the next layer's b
 gathered from its forward to its backward, freeing a ZeRO-2 bucket's full gradient before the
 backward ends (the layers accumulate into parameter-shaped gradients, so a step's full gradients
 exist together at its end), initialising each shard without the whole model (Step 1 reuses the
-replica's Bcast), mixed precision, CPU/NVMe offload (ZeRO-Offload, ZeRO-Infinity), and ZeRO++'s
+replica's Bcast), CPU/NVMe offload (ZeRO-Offload, ZeRO-Infinity), and ZeRO++'s
 quantised and hierarchical collectives.
 """
 
@@ -76,7 +76,7 @@ from mpipar import serial
 from mpipar.data_parallel import Replica, make_buckets
 from mpipar.engine import backend as B
 from mpipar.engine.parameters import FlatBlock, Placement
-from mpipar.mpi import comm
+from mpipar.mpi import bf16, comm
 
 
 # ----------------------------------------------------------------------------- communication
@@ -85,8 +85,9 @@ class FlatShard:
     which this rank owns block ``rank``: ``shard``. ZeRO-2 makes one per gradient bucket,
     ZeRO-3 one per layer."""
 
-    def __init__(self, dp_comm, params, name):
+    def __init__(self, dp_comm, params, name, grad_sum="fp32"):
         self.comm, self.params, self.name = dp_comm, list(params), name
+        self.grad_sum = grad_sum  # 16-bit gradients: summed in float32, or in bf16
         self.n = sum(p.size for p in self.params)
         self.shard_size = -(-self.n // dp_comm.size)  # ceil(n / P)
         self.starts = comm.offsets([p.size for p in self.params])
@@ -147,9 +148,10 @@ class FlatShard:
             p.zero_grad()  # known zero: the first micro-batch writes its gradient, no temporary
 
     def reduce_scatter_grads(self):
-        """shard.grad += block r of the sum over the ranks of the full gradient, then free it."""
-        got = B.xp.empty_like(self.shard.grad)  # (shard_size,)
-        self.comm.Reduce_scatter(self.flat_grad, got, what=f"{self.name}: gradients")
+        """shard.grad += block r of the sum over the ranks of the full gradient, then free it
+        (16-bit: summed as :func:`mpipar.mpi.bf16.reduce_scatter` says)."""
+        got = bf16.reduce_scatter(self.comm, self.flat_grad, self.grad_sum,
+                                  what=f"{self.name}: gradients")  # (shard_size,)
         self.shard.grad += got
         self.free_grads()
 
@@ -170,7 +172,9 @@ class PostedReduceScatter:
     Rank r receives block r from every other rank and sends rank q its block q: P-1 messages of
     one block each way, (P-1)/P of the buffer, what any reduce-scatter must move. ``wait`` adds
     the P blocks in rank order; each block is summed on its owner only, so after the allgather
-    the replicas are bitwise equal. Every receive is posted before any send and all are waited
+    the replicas are bitwise equal. 16-bit blocks travel as they are (2 bytes a value) and are
+    added in float32, rounded once into ``out``: the float32 sum at the 16-bit bytes, since the
+    owner adds every block itself. Every receive is posted before any send and all are waited
     together, so this cannot deadlock, not even with synchronous sends (MPIPAR_SSEND=1)."""
 
     def __init__(self, dp_comm, flat, out, tag, what):
@@ -192,7 +196,7 @@ class PostedReduceScatter:
     def wait(self):
         for req in self.requests:
             req.wait()
-        self.out += self.got.sum(axis=0)  # (shard_size,)
+        self.out += self.got.astype(B.compute, copy=False).sum(axis=0)  # (shard_size,)
 
 
 class PostedAllgather:
@@ -224,9 +228,9 @@ class ShardedGradSync:
     a full gradient. The parameters are kept whole in their buckets' buffers
     (:meth:`FlatShard.keep_whole`); :meth:`new_grads` makes a step's full gradients."""
 
-    def __init__(self, dp_comm, params, bucket_mb=None, overlap=False):
+    def __init__(self, dp_comm, params, bucket_mb=None, overlap=False, grad_sum="fp32"):
         groups = make_buckets(list(params), None if bucket_mb is None else bucket_mb * 2**20)
-        self.buckets = [FlatShard(dp_comm, ps, f"bucket {i + 1} of {len(groups)}")
+        self.buckets = [FlatShard(dp_comm, ps, f"bucket {i + 1} of {len(groups)}", grad_sum)
                         for i, ps in enumerate(groups)]
         self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
         self.overlap = overlap
@@ -308,7 +312,8 @@ class Zero2Scheme(Sharded):
 
     def __init__(self, task, grid, args, model=None):
         super().__init__(task, grid, args, model)
-        self.sync = ShardedGradSync(self.comm, self.params, args.bucket_mb, args.overlap)
+        self.sync = ShardedGradSync(self.comm, self.params, args.bucket_mb, args.overlap,
+                                    getattr(args, "grad_sum", "fp32"))
         self.keep_shards(self.sync.buckets)
 
     def step(self, step):
@@ -328,7 +333,7 @@ class Zero2Scheme(Sharded):
                                     f"and updates its {sum(b.shard_size for b in self.groups):,} "
                                     f"values"):
             self.sync.finish()
-        self.opt.step()
+        self.take_step(self.opt)  # the shards' update (fp16: skipped on any rank's overflow)
 
         # -- DP Step 5: the updated shards are allgathered into every replica, bucket by bucket --
         with comm.step("DP Step 5", f"Allgather of the updated shards, {len(self.groups)} "
@@ -347,7 +352,8 @@ class Zero3Scheme(Sharded):
         super().__init__(task, grid, args, model)  # DP Step 1: the replica's Bcast
 
         # -- Z3 Step 1: each rank keeps its shard of every layer's parameters, frees the rest --
-        self.layers = [(layer, FlatShard(self.comm, layer.parameters(), name)
+        self.layers = [(layer, FlatShard(self.comm, layer.parameters(), name,
+                                         getattr(args, "grad_sum", "fp32"))
                         if layer.parameters() else None) for name, layer in self.model.layers]
         self.keep_shards([g for _, g in self.layers if g is not None])
         kept = sum(g.shard_size for g in self.groups)
@@ -374,25 +380,25 @@ class Zero3Scheme(Sharded):
                          f"layer: Allgather its parameters, run it, free them")
             out = x[lo:lo + n]
             for layer, _ in self.each_gathered(self.layers, "for its forward"):
-                out = layer.forward(out, micro_id)
+                out = B.store(layer.forward(B.load(out), micro_id))  # (16 bits between layers)
             loss += self.task.loss_fn.forward(out, y[lo:lo + n], normalizer, micro_id)
 
             # -- Z3 Step 4: backward, layer by layer in reverse: Allgather the parameters again,
             # backward into a fresh full gradient, Reduce_scatter it at once, free both --
             comm.narrate(f"Z3 Step 4: backward of micro-batch {micro_id}, layer by layer in "
                          "reverse: Allgather, backward, Reduce_scatter the gradient, free both")
-            dout = self.task.loss_fn.backward(1.0, micro_id)
+            dout = self.task.loss_fn.backward(self.loss_scale(), micro_id)
             for layer, g in self.each_gathered(self.layers[::-1], "for its backward"):
                 if g is not None:
                     g.new_grads()
-                dout = layer.backward(dout, micro_id)
+                dout = B.store(layer.backward(B.load(dout), micro_id))
                 if g is not None:
                     g.reduce_scatter_grads()
 
         # -- Z3 Step 5: each rank updates its shards; nothing is sent (the next forward gathers) --
         comm.narrate(f"Z3 Step 5: rank {self.rank} updates its shards with its 1/{self.size} of "
                      "the optimizer state; nothing to send")
-        self.opt.step()
+        self.take_step(self.opt)  # (fp16: skipped on every rank if any rank's overflowed)
         return self.global_loss(loss)
 
     def each_gathered(self, layers, why):

@@ -13,6 +13,9 @@ gradient cannot be summed by ``Allreduce(op=SUM)`` as it is. Two ways out:
   bits), so its error is at most about (p - 1) 2^-8 times the sum of the magnitudes, where the
   float32 sum's is 2^-24 of it before its one final rounding.
 
+A reduce-scatter (ZeRO) has the same two ways: :func:`reduce_scatter` gives this rank its block
+of the sum, through float32 or with the same operation.
+
 The operation is commutative (a + b rounds as b + a), so MPI may reduce in any order it likes;
 which order it takes depends on p and the message size, so the bf16 sum is not bitwise the
 same across rank counts. ``tests/test_bf16_sum.py`` measures both the bytes and the errors.
@@ -20,6 +23,8 @@ same across rank counts. ``tests/test_bf16_sum.py`` measures both the bytes and 
 
 import numpy as np
 from mpi4py import MPI
+
+from mpipar.engine import backend as B
 
 try:
     import ml_dtypes
@@ -57,3 +62,20 @@ def fp32_sum(comm, buf, what="fp32 sum of bf16"):
     wide = buf.astype(np.float32)
     comm.Allreduce(wide, what=what)
     buf[...] = wide.astype(buf.dtype)
+
+
+def reduce_scatter(comm, flat, grad_sum="fp32", what="reduce-scatter of bf16"):
+    """This rank's block of the sum of ``flat`` (P equal blocks) over ``comm``, for 16-bit
+    ``flat``: "fp32" widens it and Reduce_scatters float32 (twice ``flat.nbytes`` sent),
+    returning the float32 block, for the caller to round once; "bf16" Reduce_scatters the
+    2-byte words with :func:`bf16_op` (every partial sum rounded), returning a bf16 block. Any
+    other ``flat`` (float32, float64) is Reduce_scattered as it is."""
+    if flat.dtype.itemsize == 2 and grad_sum == "bf16":
+        got = np.empty(flat.shape[0] // comm.size, dtype=flat.dtype)
+        comm.Reduce_scatter(flat, got, op=bf16_op(), what=what)
+        return got
+    if flat.dtype.itemsize == 2:
+        flat = flat.astype(np.float32)
+    got = B.xp.empty(flat.shape[0] // comm.size, dtype=flat.dtype)
+    comm.Reduce_scatter(flat, got, what=what)
+    return got

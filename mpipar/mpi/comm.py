@@ -318,6 +318,9 @@ class Comm(PickledCalls):
                              f"{self.size} equal blocks")
         check_array(recvbuf, (sendbuf.shape[0] // self.size,) + sendbuf.shape[1:],
                     sendbuf.dtype, what="Reduce_scatter result")
+        if B.words(sendbuf) is not sendbuf and op in (MPI.SUM, MPI.MAX, MPI.MIN, MPI.PROD):
+            raise TypeError("Reduce_scatter: MPI has no bf16 arithmetic: sum in float32, or "
+                            "with mpipar.mpi.bf16.reduce_scatter")
         t0 = _now()
         host_out, dev = B.host_out(recvbuf)
         self._count("Reduce_scatter", sent=sendbuf.nbytes, recv=recvbuf.nbytes)
