@@ -71,7 +71,7 @@ from mpi4py import MPI
 from mpipar import serial
 from mpipar.data_parallel import GradSync
 from mpipar.engine import backend as B
-from mpipar.engine import nn
+from mpipar.engine import nn, precision
 from mpipar.engine.parameters import place
 from mpipar.mpi import comm
 from mpipar.mpi.grid import Grid
@@ -178,7 +178,8 @@ class RingAttention(nn.CausalSelfAttention):
         qs = self.split(q)
         out = [B.xp.zeros_like(c) for c in qs]
         lse = [B.xp.full(c.shape[:-1] + (1,), -np.inf, dtype=c.dtype) for c in qs]
-        kv = B.xp.ascontiguousarray(B.xp.stack([k, v]))  # (2, B, H, n, D): what travels
+        kv = B.store(B.xp.ascontiguousarray(B.xp.stack([k, v])))  # (2, B, H, n, D): what
+        # travels, in the storage type (16 bits in mixed precision), read as float32 below
 
         # -- CP Step 4: the keys and values around the ring; each block merged as it comes --
         comm.narrate(f"CP Step 4: ring forward: K and V around {g} ranks, the next block in "
@@ -191,7 +192,7 @@ class RingAttention(nn.CausalSelfAttention):
                                         f"{(source - 1) % g}"),
                         self.comm.Isend(kv, (r + 1) % g, what=f"K, V of rank {source}")]
             theirs, _ = chunks_of(source, g, self.algo)
-            ks, vs = (B.xp.split(t, len(theirs), axis=2) for t in kv)
+            ks, vs = (B.xp.split(t, len(theirs), axis=2) for t in B.load(kv))
             with TRACE.span("attention", "ring forward", source=source):
                 for i, jj, causal in pairs(mine, theirs):
                     o, s = block_attention(qs[i], ks[jj], vs[jj], causal)
@@ -213,8 +214,8 @@ class RingAttention(nn.CausalSelfAttention):
         rowdot = (dy * y).sum(axis=-1, keepdims=True)  # sum_j p_j dp_j, per query
         qs, dys, lses, dots = (self.split(t) for t in (q, dy, lse, rowdot))
         dq = [B.xp.zeros_like(c) for c in qs]
-        kv = B.xp.ascontiguousarray(B.xp.stack([k, v]))
-        dkv = B.xp.zeros_like(kv)  # the gradient of the keys this rank holds, gathering
+        kv = B.store(B.xp.ascontiguousarray(B.xp.stack([k, v])))  # as the forward sent them
+        dkv = B.xp.zeros(kv.shape, dtype=q.dtype)  # the gradient of the keys held, gathering
         scale = 1.0 / math.sqrt(D)
 
         # -- CP Step 5: K, V around the ring again; dK, dV with them, home one step later --
@@ -228,7 +229,7 @@ class RingAttention(nn.CausalSelfAttention):
                 reqs = [self.comm.Irecv(nxt, (r - 1) % g, what=f"K, V of rank "
                                         f"{(source - 1) % g}"),
                         self.comm.Isend(kv, (r + 1) % g, what=f"K, V of rank {source}")]
-            ks, vs = (B.xp.split(t, len(theirs), axis=2) for t in kv)
+            ks, vs = (B.xp.split(t, len(theirs), axis=2) for t in B.load(kv))
             dks, dvs = (B.xp.split(t, len(theirs), axis=2) for t in dkv)  # views: += lands
             with TRACE.span("attention", "ring backward", source=source):
                 for i, jj, causal in pairs(mine, theirs):
@@ -249,13 +250,15 @@ class RingAttention(nn.CausalSelfAttention):
 
     def pass_on(self, dkv, source):
         """Rank ``source``'s dK, dV (what this rank has added to them) on to the next rank;
-        the previous rank's in, for the next block. After G moves they are home."""
+        the previous rank's in, for the next block. After G moves they are home. They travel in
+        the storage type (16 bits in mixed precision: each hop rounds the running sum)."""
         g, r = self.comm.size, self.comm.rank
         if g == 1:
             return dkv
+        dkv = B.store(dkv)
         home = B.xp.empty_like(dkv)
         self.comm.Sendrecv(dkv, (r + 1) % g, home, (r - 1) % g, what=f"dK, dV of rank {source}")
-        return home
+        return B.load(home)
 
 
 class UlyssesAttention(nn.CausalSelfAttention):
@@ -274,20 +277,21 @@ class UlyssesAttention(nn.CausalSelfAttention):
         g = self.comm.size
         w = width // (parts * g)
         send = t.reshape(Bn, n, parts, g, w).transpose(3, 0, 1, 2, 4)  # (G, B, n, parts, w)
-        send = B.xp.ascontiguousarray(send)
-        got = B.xp.empty_like(send)  # got[s]: rank s's tokens, this rank's heads
+        send = B.store(B.xp.ascontiguousarray(send))  # in the storage type: 16 bits in mixed
+        got = B.xp.empty_like(send)  # got[s]: rank s's tokens, this rank's heads   precision
         self.comm.Alltoall(send, got, what=what)
-        return got.transpose(1, 0, 2, 3, 4).reshape(Bn, g * n, parts * w)
+        return B.load(got).transpose(1, 0, 2, 3, 4).reshape(Bn, g * n, parts * w)
 
     def to_tokens(self, t, parts, what):
         """The inverse of :meth:`to_heads`: (B, T, parts*w) -> (B, n, parts*G*w)."""
         Bn, T, width = t.shape
         g = self.comm.size
         n, w = T // g, width // parts
-        send = B.xp.ascontiguousarray(t.reshape(Bn, g, n, parts, w).transpose(1, 0, 2, 3, 4))
+        send = B.store(B.xp.ascontiguousarray(t.reshape(Bn, g, n, parts, w).transpose(
+            1, 0, 2, 3, 4)))  # (16 bits in mixed precision, as to_heads)
         got = B.xp.empty_like(send)  # got[s]: this rank's tokens, rank s's heads
         self.comm.Alltoall(send, got, what=what)
-        return got.transpose(1, 2, 3, 0, 4).reshape(Bn, n, parts * g * w)
+        return B.load(got).transpose(1, 2, 3, 0, 4).reshape(Bn, n, parts * g * w)
 
     def attend(self, qkv, micro_id):
         # -- CP Step 6: sequence shards to head shards, attention on H/G heads, and back --
@@ -345,7 +349,8 @@ class ContextParallel(Trainer):
                      f"of {self.cp.size}: chunk(s) {held} of {n_chunks} of every sequence, "
                      f"{len(self.held)} of its {args.seq_len} tokens")
         self.opt = serial.make_optimizer(args, self.model.parameters())
-        self.sync = GradSync(self.world, self.model.parameters())
+        self.sync = GradSync(self.world, self.model.parameters(), grad_sum=args.grad_sum)
+        self.scaler = precision.scaler_for(args)  # fp16's loss scale, or None
         self.rows = comm.split_rows(args.batch_size, grid.data_size)  # rows per replica
         self.data_rank = grid.data_rank
 
@@ -374,15 +379,20 @@ class ContextParallel(Trainer):
                          f"{x.size} tokens, the loss over the batch's {normalizer}")
             logits = self.model.forward(x, micro_id)
             loss += self.loss_fn.forward(logits, y, normalizer, micro_id)
-            self.model.backward(self.loss_fn.backward(1.0, micro_id), micro_id)
+            self.model.backward(self.loss_fn.backward(self.loss_scale(), micro_id), micro_id)
 
         # -- CP Step 7: the gradients summed over every rank; every rank updates --
         with comm.step("CP Step 7", f"Allreduce of the gradients over {self.world.size} "
                                     f"ranks (cp groups of {self.cp.size}); every rank "
                                     f"updates"):
             self.sync.finish()
-        self.opt.step()
+        precision.take_step(self.opt, self.scaler, lambda bad: comm.any_rank(
+            self.world, bad, "did any rank's gradients overflow?"))  # (fp16: all skip, or none)
         return sum(self.world.allgather_obj(loss, what="the ranks' losses, to print"))
+
+    def loss_scale(self):
+        """fp16's loss scale (1 otherwise): the backward starts from the loss times it."""
+        return 1.0 if self.scaler is None else self.scaler.scale
 
     def full_params(self):
         """The whole model on world rank 0: every rank holds all of it."""

@@ -63,7 +63,7 @@ from mpi4py import MPI
 from mpipar import serial
 from mpipar.data_parallel import GradSync
 from mpipar.engine import backend as B
-from mpipar.engine import moe
+from mpipar.engine import moe, precision
 from mpipar.engine.parameters import place
 from mpipar.mpi import comm
 from mpipar.mpi.direct import communicator
@@ -95,12 +95,12 @@ def pairwise_alltoallv(ep_comm, send, send_rows, recv, recv_rows, what):
 EXCHANGES = {"mpi": mpi_alltoallv, "pairwise": pairwise_alltoallv}
 
 
-def balance_over(group, model, n_micro):
+def balance_over(group, model, n_micro, loss_scale=1.0):
     """The load-balancing loss of ``model``'s MoE layers over the batch whose rows the ranks
     of ``group`` hold: one Allreduce per layer of its counts, sums of p and token count, after
     all ``n_micro`` forwards (:func:`mpipar.engine.moe.balance`)."""
     return moe.balance(model, lambda stats: group.Allreduce(
-        stats, what="routing counts, sums of p, tokens"), n_micro)
+        stats, what="routing counts, sums of p, tokens"), n_micro, loss_scale)
 
 
 # ----------------------------------------------------------------------------- the layer
@@ -248,9 +248,10 @@ class ExpertParallel(Trainer):
                      f"of {self.ep.size}: experts {[e for e, _ in held]} of every layer, "
                      f"replicated on {self.edp.size} rank(s); the rest on all {self.world.size}")
         self.opt = serial.make_optimizer(args, self.model.parameters())
-        self.syncs = [GradSync(self.world, self.dense)]
+        self.syncs = [GradSync(self.world, self.dense, grad_sum=args.grad_sum)]
+        self.scaler = precision.scaler_for(args)  # fp16's loss scale, or None
         if self.edp.size > 1:
-            self.syncs.append(GradSync(self.edp, self.experts))
+            self.syncs.append(GradSync(self.edp, self.experts, grad_sum=args.grad_sum))
         self.rows = comm.split_rows(args.batch_size, self.world.size)
 
     def own_rows(self, step):
@@ -278,11 +279,11 @@ class ExpertParallel(Trainer):
 
         # -- EP Step 7: the aux loss over the global batch: one Allreduce of each layer's routing --
         with comm.step("EP Step 7", "Allreduce of each MoE layer's counts, sums of p and tokens"):
-            aux = balance_over(self.world, self.model, len(micro))
+            aux = balance_over(self.world, self.model, len(micro), self.loss_scale())
 
         # -- EP Step 8: backward, micro-batch by micro-batch (the all-to-alls reversed inside) --
         for micro_id in range(len(micro)):
-            self.model.backward(self.loss_fn.backward(1.0, micro_id), micro_id)
+            self.model.backward(self.loss_fn.backward(self.loss_scale(), micro_id), micro_id)
 
         # -- EP Step 9: replicated gradients summed over all ranks, experts' over their replicas --
         with comm.step("EP Step 9", f"Allreduce of the replicated gradients over "
@@ -290,8 +291,13 @@ class ExpertParallel(Trainer):
                                     f"{self.edp.size}; every rank updates"):
             for sync in self.syncs:
                 sync.finish()
-        self.opt.step()
+        precision.take_step(self.opt, self.scaler, lambda bad: comm.any_rank(
+            self.world, bad, "did any rank's gradients overflow?"))  # (fp16: all skip, or none)
         return sum(self.world.allgather_obj(loss, what="the ranks' losses, to print")) + aux
+
+    def loss_scale(self):
+        """fp16's loss scale (1 otherwise): the backward starts from the loss times it."""
+        return 1.0 if self.scaler is None else self.scaler.scale
 
     def full_params(self):
         """The whole model on world rank 0: its replicated part and the experts of its ep

@@ -112,7 +112,7 @@ from mpipar import serial
 from mpipar import tensor_parallel as TP
 from mpipar import zero as Z
 from mpipar.engine import backend as B
-from mpipar.engine import moe, nn
+from mpipar.engine import moe, nn, precision
 from mpipar.engine.parameters import place
 from mpipar.mpi import comm
 from mpipar.mpi.grid import Grid
@@ -176,12 +176,13 @@ class BalancingStage(nn.Sequential):
     def __init__(self, stage, dp_comm, n_micro):
         super().__init__(stage.layers)
         self.dp_comm, self.n_micro, self.aux = dp_comm, n_micro, 0.0
+        self.loss_scale = 1.0  # fp16's, set by the trainer each step
 
     def backward(self, dout, micro_id=0):
         if any(m.seen for m in self.modules() if isinstance(m, moe.MoE)):  # the step's first
             with comm.step("HY Step 4", "the aux loss over the global batch: Allreduce of each "
                                         "MoE layer's routing over the replicas"):
-                self.aux = EP.balance_over(self.dp_comm, self, self.n_micro)
+                self.aux = EP.balance_over(self.dp_comm, self, self.n_micro, self.loss_scale)
         return super().backward(dout, micro_id)
 
 
@@ -230,12 +231,16 @@ class Hybrid(Trainer):
         if args.experts:  # the experts' gradients are summed over their own replicas only
             self.update = SyncedUpdate(stage, self.dp_comm, make_opt, args.bucket_mb,
                                        tp_comm=self.tp_comm, experts=self.experts,
-                                       edp_comm=grid.edp_comm)
+                                       edp_comm=grid.edp_comm, grad_sum=args.grad_sum)
         elif args.zero == 1:
-            self.update = ZeroUpdate(stage, self.dp_comm, make_opt, self.tp_comm)
+            self.update = ZeroUpdate(stage, self.dp_comm, make_opt, self.tp_comm, args.grad_sum)
         else:
             self.update = (Zero2Update if args.zero == 2 else SyncedUpdate)(
-                stage, self.dp_comm, make_opt, args.bucket_mb, args.overlap, tp_comm=self.tp_comm)
+                stage, self.dp_comm, make_opt, args.bucket_mb, args.overlap, tp_comm=self.tp_comm,
+                grad_sum=args.grad_sum)
+        self.scaler = self.update.scaler = precision.scaler_for(args)  # fp16's, or None
+        self.update.agree = lambda bad: comm.any_rank(  # one verdict for every group
+            grid.world, bad, "did any rank's gradients overflow?")
         self.module = BalancingStage(stage, self.dp_comm, m) if args.experts else stage
         if args.overlap and self.update.sync is not None:
             last = [ins.micro for ins in self.instructions if isinstance(ins, Backward)][-1]
@@ -253,6 +258,9 @@ class Hybrid(Trainer):
         a, task, grid = self.args, self.task, self.grid
         m = a.micro_batches
         fresh = isinstance(self.update, Zero2Update)  # ZeRO-2: full gradients for this step only
+        scale = 1.0 if self.scaler is None else self.scaler.scale  # fp16: backward of loss * it
+        if isinstance(self.module, BalancingStage):
+            self.module.loss_scale = scale  # the aux loss's gradient, scaled alike
         if fresh:
             self.update.sync.new_grads()
 
@@ -280,7 +288,8 @@ class Hybrid(Trainer):
             inputs=PP.micro_batches(x, m) if self.is_first_stage else None,
             targets=PP.micro_batches(y, m) if self.is_last_stage else None,
             loss_fn=self.loss_fn, normalizer=normalizer, optimizer=self.update, zero_grad=not fresh,
-            measure_stash=not self.peak_stash_bytes)  # the first step's is every step's
+            measure_stash=not self.peak_stash_bytes,  # the first step's is every step's
+            loss_scale=scale)
         self.peak_stash_bytes = max(self.peak_stash_bytes, result.peak_stash_bytes)
         loss = None
         if self.is_last_stage:  # each replica's loss covers its rows only: add the replicas'
@@ -325,22 +334,34 @@ class Hybrid(Trainer):
         return gather_model(self.task, self)
 
 
-class SyncedUpdate:
+class StageUpdate:
+    """What the updates below share: fp16's loss ``scaler`` and ``agree``, the job-wide verdict
+    on an overflow (both set by :class:`Hybrid`; None in any other precision), through which
+    each takes its optimizer's step: skipped on every rank of every group, or on none."""
+
+    scaler = agree = None
+
+    def take_step(self, opt):
+        return precision.take_step(opt, self.scaler, self.agree)
+
+
+class SyncedUpdate(StageUpdate):
     """The ``optimizer`` the pipeline calls at its OptimizerStep, after the stage's last
     backward: Step 5 sums the gradients over ``dp_comm``, Step 6 steps each rank's optimizer
     on its own shards and replicated parameters. With one replica there is nothing to sum."""
 
     def __init__(self, stage, dp_comm, make_opt, bucket_mb=None, overlap=False, tp_comm=None,
-                 experts=(), edp_comm=None):
+                 experts=(), edp_comm=None, grad_sum="fp32"):
         self.dp_comm, self.tp_comm, self.params = dp_comm, tp_comm, stage.parameters()
         self.local = TP.LocalUpdate(stage, make_opt)
         self.opt, self.sync, self.zero, self.sharded = self.local.opt, None, None, []
         rest = [p for p in self.params if all(p is not e for e in experts)]
         if dp_comm.size > 1 and rest:
-            self.sync = DP.GradSync(dp_comm, rest, "allreduce", bucket_mb, overlap)
+            self.sync = DP.GradSync(dp_comm, rest, "allreduce", bucket_mb, overlap, grad_sum)
         self.expert_sync = None  # the experts: over the replicas that hold the same ones
         if experts and edp_comm.size > 1:
-            self.expert_sync = DP.GradSync(edp_comm, experts, "allreduce", bucket_mb)
+            self.expert_sync = DP.GradSync(edp_comm, experts, "allreduce", bucket_mb,
+                                           grad_sum=grad_sum)
 
     def step(self):
         # -- HY Step 5: after the last backward, sum the gradients over the dp group --
@@ -361,19 +382,19 @@ class SyncedUpdate:
         # -- HY Step 6: each rank updates its own shards and replicated parameters --
         comm.narrate("HY Step 6: every rank updates its own shards and replicated parameters; "
                      "the replicas make the same update, so nothing is sent")
-        self.local.update()
+        self.take_step(self.opt)  # (fp16: skipped on every rank if any rank's overflowed)
 
 
-class ZeroUpdate:
+class ZeroUpdate(StageUpdate):
     """``--zero 1``: :class:`SyncedUpdate` with ZeRO stage 1 over ``dp_comm``
     (:class:`mpipar.data_parallel.ZeroOptimizer`): Step 5 reduce-scatters this rank's flat
     gradients over its D replicas (replica d keeps block d of their sum), Step 6 updates that
     block with 1/D of the optimizer state and allgathers the updated blocks. Each tp shard of
     each stage is sharded over its own dp group, so a rank keeps 1/D of its piece's state."""
 
-    def __init__(self, stage, dp_comm, make_opt, tp_comm=None):
+    def __init__(self, stage, dp_comm, make_opt, tp_comm=None, grad_sum="fp32"):
         self.dp_comm, self.tp_comm, self.params = dp_comm, tp_comm, stage.parameters()
-        self.zero, self.sync = DP.ZeroOptimizer(dp_comm, self.params, make_opt), None
+        self.zero, self.sync = DP.ZeroOptimizer(dp_comm, self.params, make_opt, grad_sum), None
         self.opt, self.sharded = self.zero.opt, [self.zero]  # sharded: each holds a ``shard``
 
     def step(self):
@@ -388,14 +409,14 @@ class ZeroUpdate:
             self.zero.reduce_scatter_grads()
 
         # -- HY Step 6: ZeRO-1: each rank updates its block; the blocks are allgathered --
-        self.zero.update()
+        self.take_step(self.zero.opt)  # its block (fp16: skipped on any rank's overflow)
         with comm.step("HY Step 6", "every rank updates its block of its shards and replicated "
                                     "parameters, then Allgather of the updated blocks over the dp "
                                     "group"):
             self.zero.allgather_params()
 
 
-class Zero2Update:
+class Zero2Update(StageUpdate):
     """``--zero 2``: ZeRO stage 2 over ``dp_comm``, from :mod:`mpipar.zero`'s pieces. The
     stage's parameters are views into one padded flat buffer per bucket, kept all run
     (:meth:`mpipar.zero.FlatShard.keep_whole`); its full gradients exist during a step only, as
@@ -406,9 +427,11 @@ class Zero2Update:
     backward) and frees it, so a rank keeps its shard's gradient only; Step 6 updates the shards
     (one optimizer, 1/D of the state) and allgathers them into the kept parameter buffers."""
 
-    def __init__(self, stage, dp_comm, make_opt, bucket_mb=None, overlap=False, tp_comm=None):
+    def __init__(self, stage, dp_comm, make_opt, bucket_mb=None, overlap=False, tp_comm=None,
+                 grad_sum="fp32"):
         self.dp_comm, self.tp_comm, self.params = dp_comm, tp_comm, stage.parameters()
-        self.sync, self.zero = Z.ShardedGradSync(dp_comm, self.params, bucket_mb, overlap), None
+        self.sync = Z.ShardedGradSync(dp_comm, self.params, bucket_mb, overlap, grad_sum)
+        self.zero = None
         self.sharded = self.sync.buckets  # one FlatShard per bucket
         self.opt = make_opt([b.shard for b in self.sharded])
 
@@ -428,7 +451,7 @@ class Zero2Update:
             self.sync.finish()
 
         # -- HY Step 6: ZeRO-2: each rank updates its shards; the shards are allgathered --
-        self.opt.step()
+        self.take_step(self.opt)  # (fp16: skipped on every rank if any rank's overflowed)
         with comm.step("HY Step 6", f"every rank updates its {kept:,} values with 1/"
                                     f"{self.dp_comm.size} of the optimizer state, then Allgather "
                                     f"of the updated shards over the dp group, "

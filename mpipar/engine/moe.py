@@ -56,6 +56,7 @@ class MoE(nn.SplitBackward):
         self.aux, self.tokens_per_expert = 0.0, None
         self.seen = {}  # micro_id -> [routing counts (E), sum of p (E), tokens] of its forward
         self.f = self.n_tokens = None  # the step's shares f_e and its token count, by balance
+        self.loss_scale = 1.0  # fp16's, by balance: the aux gradient is scaled as the loss's
 
     def held(self):
         """(expert index, expert) of the experts this layer holds."""
@@ -97,23 +98,24 @@ class MoE(nn.SplitBackward):
         p, state = self.saved(micro_id)
         d = dout.reshape(-1, dout.shape[-1])
         dh, dp = self.experts_backward(d, p, state, micro_id)
-        dp += self.coef * self.n_experts * self.f / self.n_tokens  # the aux loss, through P_e
+        dp += self.loss_scale * self.coef * self.n_experts * self.f / self.n_tokens  # aux, via P_e
         dlogits = p * (dp - (dp * p).sum(axis=1, keepdims=True))  # softmax's backward
         dh += self.router.backward_input(dlogits, micro_id)
         return dh.reshape(dout.shape)
 
-    def settle(self, add=None, n_micro=None):
+    def settle(self, add=None, n_micro=None, loss_scale=1.0):
         """The load-balancing loss of the step's forwards (every micro-batch): their counts,
         sums of p and token counts, added over ranks by ``add`` (an in-place sum of one array;
         None: this process saw the whole batch). ``n_micro``: the forwards there must have been
-        (a schedule that starts a backward earlier would settle on part of the batch). Returns
-        aux."""
+        (a schedule that starts a backward earlier would settle on part of the batch).
+        ``loss_scale``: fp16's, by which the backward multiplies the aux loss's gradient as it
+        does the cross-entropy's. Returns aux."""
         if n_micro is not None and len(self.seen) != n_micro:
             raise RuntimeError(f"the load-balancing loss needs the routing of all {n_micro} "
                                f"micro-batches before the first backward, but {len(self.seen)} "
                                "forwards ran: use a schedule with every forward first (GPipe)")
         stats = sum(self.seen[m] for m in sorted(self.seen))  # micro-batches in order
-        self.seen = {}
+        self.seen, self.loss_scale = {}, loss_scale
         if add is not None:
             add(stats)
         e = self.n_experts
@@ -134,8 +136,9 @@ def gpt(vocab, d_model, n_heads, n_layers, seq_len, n_experts, top_k, aux_coef):
     return model
 
 
-def balance(model, add=None, n_micro=None):
+def balance(model, add=None, n_micro=None, loss_scale=1.0):
     """The load-balancing losses of the step's forwards, summed over the model's MoE layers
     (:meth:`MoE.settle`; ``add`` sums each layer's routing over the ranks): call it after the
     step's last forward and before its first backward, which needs the step's shares f_e."""
-    return sum(m.settle(add, n_micro) for m in model.modules() if isinstance(m, MoE))
+    return sum(m.settle(add, n_micro, loss_scale) for m in model.modules()
+               if isinstance(m, MoE))

@@ -49,7 +49,10 @@ does, which divides their caches by t too); overlapping the allgathers with the 
 """
 
 
+from mpi4py import MPI
+
 from mpipar.engine import backend as B
+from mpipar.mpi import bf16
 from mpipar.mpi import comm as C
 
 SEQ = 1  # the sequence axis of a (B, T, C) activation
@@ -79,24 +82,27 @@ def mark(*modules):
 def scatter_sequence(tp_comm, x, what):
     """The sum over the group of every rank's (B, T, ...) ``x``, of which this rank keeps its
     rows (B, T/t, ...): one Reduce_scatter. The comm layer splits along axis 0, so the
-    sequence axis goes first for the call and back after it."""
+    sequence axis goes first for the call and back after it. In mixed precision the partial
+    sums cross in the 16-bit storage type, as tensor parallelism's do (bf16 through
+    :func:`mpipar.mpi.bf16.bf16_op`, fp16 as MPICH's float16), and come back as float32."""
     # -- TP Step 3: the ranks shard and gather the activations along the sequence --
     if tp_comm.size == 1:
         return x
-    rows = B.xp.ascontiguousarray(B.xp.moveaxis(x, SEQ, 0))  # (T, B, ...)
+    rows = B.store(B.xp.ascontiguousarray(B.xp.moveaxis(x, SEQ, 0)))  # (T, B, ...)
     mine = B.xp.empty((rows.shape[0] // tp_comm.size,) + rows.shape[1:], dtype=rows.dtype)
-    tp_comm.Reduce_scatter(rows, mine, what=what)  # (T/t, B, ...)
-    return B.xp.moveaxis(mine, 0, SEQ)  # (B, T/t, ...)
+    op = bf16.bf16_op() if rows.dtype.kind == "V" else MPI.SUM  # bf16: its own sum
+    tp_comm.Reduce_scatter(rows, mine, op=op, what=what)  # (T/t, B, ...)
+    return B.load(B.xp.moveaxis(mine, 0, SEQ))  # (B, T/t, ...)
 
 
 def gather_sequence(tp_comm, x, what):
     """Every rank's rows (B, T/t, ...) put together in rank order, (B, T, ...): one Allgather."""
     if tp_comm.size == 1:
         return x
-    rows = B.xp.ascontiguousarray(B.xp.moveaxis(x, SEQ, 0))  # (T/t, B, ...)
+    rows = B.store(B.xp.ascontiguousarray(B.xp.moveaxis(x, SEQ, 0)))  # (T/t, B, ...), 16 bits
     whole = B.xp.empty((rows.shape[0] * tp_comm.size,) + rows.shape[1:], dtype=rows.dtype)
     tp_comm.Allgather(rows, whole, what=what)  # (T, B, ...)
-    return B.xp.moveaxis(whole, 0, SEQ)  # (B, T, ...)
+    return B.load(B.xp.moveaxis(whole, 0, SEQ))  # (B, T, ...)
 
 
 class GatherFromSequence:
@@ -148,6 +154,10 @@ def allreduce_sequence_grads(params, tp_comm):
         return
     C.narrate(f"TP Step 3 (sequence parallel): Allreduce of the {len(mine)} LayerNorm and "
               "position gradients, each rank's from its own rows")
-    flat = C.flatten([p.grad for p in mine])
-    tp_comm.Allreduce(flat, what="sequence parallel: LayerNorm and position gradients")
+    flat, what = C.flatten([p.grad for p in mine]), "sequence parallel: LayerNorm and position " \
+        "gradients"
+    if flat.dtype.itemsize == 2:  # 16-bit gradients: summed in float32 (MPI has no bf16 sum)
+        bf16.fp32_sum(tp_comm, flat, what=what)
+    else:
+        tp_comm.Allreduce(flat, what=what)
     C.unflatten(flat, [p.grad for p in mine])

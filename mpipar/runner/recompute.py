@@ -31,6 +31,10 @@ the sequence, and the core is a small part of the FLOPs (4 B T^2 C of a block's
 24 B T C^2 + 4 B T^2 C forward), so memory falls by H T^2 values per row and block for little
 compute. It works in every scheme that takes --recompute, the split backward (B, W) included.
 
+In mixed precision (``--precision``) the wrapped module's input is kept in the 16-bit type
+it arrived in (exactly, so the recomputation is bit for bit), and the selective core's input
+in float32, as the core first used it (16 bits would round q, k and v and change the result).
+
 Left out: keeping a layer's output from its recomputation to its backward across stages, and
 selecting more than attention's core (the GELU's 4C-wide input is as cheap to remake; like
 Megatron, selective recomputation here keeps it).
@@ -70,7 +74,8 @@ class SelectiveCore:
     def attend(self, qkv, micro_id):
         y = super().attend(qkv, micro_id)
         self.saved(micro_id)  # drop q, k, v (views into qkv) and the softmax p
-        self.save(micro_id, qkv)  # (B, T, 3C)
+        self._cache[micro_id] = (qkv,)  # (B, T, 3C), as computed: in mixed precision float32,
+        # not rounded to 16 bits as save() would, so that the core's second run is the first's
         return y
 
     def attend_backward(self, dy, micro_id):
