@@ -171,13 +171,12 @@ def test_master_weights_keep_an_update_below_half_a_bf16_unit():
      "--precision fp16 needs a positive, finite --loss-scale"),
     ("serial", ["--precision", "bf16", "--dtype", "float64"],
      "--precision bf16 stores in 16 bits and computes in float32 with NumPy"),
-    ("data_parallel", ["--precision", "bf16"], "--precision bf16 is in the serial trainer, "
-                                               "data_parallel --sync allreduce or ring"),
-    ("pipeline", ["--precision", "fp16"], "--precision fp16 is in the serial trainer"),
-    ("tensor_parallel", ["--precision", "bf16", "--sequence-parallel", "--model", "gpt"],
-     "and tensor_parallel (without --update master or --sequence-parallel)"),
-    ("serial", ["--precision", "bf16", "--model", "gpt", "--experts", "4"],
-     "--precision bf16 takes no --experts or --recompute yet"),
+    ("data_parallel", ["--precision", "bf16"], "--precision bf16 is not in the seed's master "
+                                               "update (--sync master, --update master)"),
+    ("tensor_parallel", ["--precision", "fp16", "--update", "master"],
+     "--precision fp16 is not in the seed's master update"),
+    ("data_parallel", ["--precision", "fp16", "--sync", "ring", "--grad-sum", "bf16"],
+     "--grad-sum bf16 sums bf16 gradients: it needs --precision bf16"),
 ])
 def test_bad_precision_input_is_one_line(scheme, flags, says, capsys):
     from mpipar.runner.cli import parse_args
@@ -224,6 +223,23 @@ def test_data_and_tensor_parallel_in_16_bits_are_the_serial_trainer_s(mpirun, ss
     assert "tensor parallel on 2 ranks, fp16 --loss-scale 3e5: 2 of 3 steps skipped" in out
 
 
+@pytest.mark.parametrize("ssend", ["0", "1"])
+def test_every_scheme_in_16_bits_is_the_serial_trainer_s(mpirun, ssend):
+    """tests/mpi/precision_schemes.py: the pipeline (four schedules, recomputation), ZeRO 1-3,
+    sequence parallelism, the hybrid (tp, pp, ZeRO-2, cp, experts), context and expert
+    parallelism, in bf16 and fp16 with and without overflows: the serial loss scale on every
+    rank, every parameter within its stated margin, a one-micro-batch pipeline bit for bit; a
+    stage's own overflow verdict and an unscaled backward are caught."""
+    from conftest import MPI_SCRIPTS
+
+    out = mpirun(4, [MPI_SCRIPTS / "precision_schemes.py"], timeout=180,
+                 env={"MPIPAR_SSEND": ssend}).stdout
+    assert "precision scheme checks passed on 4 ranks" in out, out
+    assert out.count("(bit for bit)") >= 6, out  # 2 pipelines x 3 precisions
+    assert "fp16 --loss-scale 3e5: hybrid --dp 4 --cp 2 --cp-algo zigzag on 4 ranks" in out
+    assert "planted StageVerdict: caught" in out and "planted UnscaledBackward: caught" in out
+
+
 @pytest.mark.parametrize("precision, flags", [("bf16", []), ("fp16", ["--loss-scale", "1e9"])])
 def test_a_16_bit_checkpoint_resumes_bit_for_bit(tmp_path, precision, flags):
     """3 steps, a checkpoint (16-bit values written as float32, exactly; the float32 masters
@@ -259,3 +275,30 @@ def test_clipping_in_fp16_measures_the_unscaled_gradients():
     fp32 = serial("--steps", "20", "--clip-grad", "1.5")
     fp16 = serial("--steps", "20", "--clip-grad", "1.5", "--precision", "fp16")
     assert 0 < clipped(fp32) < 20 and abs(clipped(fp16) - clipped(fp32)) <= 3, (fp32, fp16)
+
+
+@pytest.mark.parametrize("n, scheme, flags", [
+    (2, "pipeline", ["--precision", "fp16", "--loss-scale", "1e9"]),
+    (4, "hybrid", ["--dp", "2", "--tp", "2", "--sequence-parallel", "--precision", "bf16"]),
+    (4, "data_parallel", ["--sync", "allreduce", "--zero", "3", "--precision", "fp16",
+                          "--loss-scale", "1e9"]),
+])
+def test_a_16_bit_checkpoint_of_a_scheme_resumes_bit_for_bit(mpirun, tmp_path, n, scheme, flags):
+    """3 steps, a checkpoint (each stage's or shard's float32 masters, fp16's scaler), 3 more:
+    the parameters and the loss scale of 6 uninterrupted steps, to the bit."""
+    import re
+
+    from mpipar import train
+
+    small = ["--model", "gpt", "--d-model", "16", "--n-heads", "2", "--n-layers", "2",
+             "--seq-len", "8", "--batch-size", "12", "--quiet", *flags]
+    ckpt, resumed, whole = tmp_path / "ckpt", tmp_path / "resumed.npz", tmp_path / "whole.npz"
+    run = lambda *more: mpirun(n, ["-m", f"mpipar.{scheme}", *small, *more]).stdout  # noqa
+    run("--steps", "3", "--checkpoint", str(ckpt))
+    a = run("--steps", "6", "--resume", str(ckpt), "--save-params", str(resumed))
+    b = run("--steps", "6", "--save-params", str(whole))
+    got, want = train.load_params(resumed), train.load_params(whole)
+    assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want)
+    if "fp16" in flags:
+        scale = lambda out: re.search(r"loss scale (\S+) at the end", out).group(1)  # noqa
+        assert scale(a) == scale(b), (a, b)

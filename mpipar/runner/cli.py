@@ -139,13 +139,12 @@ FLAG_RULES = [
     (CP, lambda a: a.recompute,
      "--recompute is not in the context-parallel trainer: running attention's forward again "
      "would repeat its exchanges"),
-    (ALL, lambda a: a.precision != "fp32" and not (
-        a.scheme == "serial" or a.scheme == "data_parallel" and a.sync != "master"
-        and not a.zero or a.scheme == "tensor_parallel" and a.update == "local"
-        and not a.sequence_parallel),
-     "--precision {a.precision} is in the serial trainer, data_parallel --sync allreduce or "
-     "ring (without --zero) and tensor_parallel (without --update master or "
-     "--sequence-parallel) so far: run one of those, or --precision fp32"),
+    (ALL, lambda a: a.precision != "fp32" and (
+        a.scheme == "data_parallel" and a.sync == "master"
+        or a.scheme == "tensor_parallel" and a.update == "master"),
+     "--precision {a.precision} is not in the seed's master update (--sync master, --update "
+     "master), whose one rank sums and updates in full precision: use --sync allreduce or "
+     "ring, or --update local"),
     (DP, lambda a: a.grad_sum == "bf16" and a.precision != "bf16",
      "--grad-sum bf16 sums bf16 gradients: it needs --precision bf16"),
     (ALL, lambda a: a.precision != "fp32" and (a.dtype != "float32" or a.backend != "numpy"),
@@ -155,8 +154,6 @@ FLAG_RULES = [
                                                    and a.loss_scale_interval >= 1),
      "--precision fp16 needs a positive, finite --loss-scale and a --loss-scale-interval of 1 "
      "or more, got {a.loss_scale} and {a.loss_scale_interval}"),
-    (ALL, lambda a: a.precision != "fp32" and (a.experts or a.recompute),
-     "--precision {a.precision} takes no --experts or --recompute yet"),
     (ALL, lambda a: activation_bytes(a) > memory_bytes(),
      "--batch-size {a.batch_size} would need about {a.need_gib:.1f} GiB of activations in one "
      "step, more than this machine's {a.have_gib:.1f} GiB: use a smaller batch or model"),

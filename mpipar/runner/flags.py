@@ -41,8 +41,8 @@ def common_flags(ap, scheme):
                    help="float64 for exact comparisons between schemes")
     g.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
                    help="bf16 or fp16: parameters, gradients and activations stored in 16 bits, "
-                        "computed in float32, updated through float32 master weights (the "
-                        "serial trainer so far)")
+                        "computed in float32, updated through float32 master weights (every "
+                        "scheme but the seed's master updates)")
     g.add_argument("--loss-scale", type=float, default=2.0 ** 16, metavar="S",
                    help="fp16: the dynamic loss scale's start (default 65536; see "
                         "mpipar/engine/precision.py for its rules)")
