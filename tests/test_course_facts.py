@@ -373,6 +373,19 @@ def test_lesson_13_exercise_2_scales_are_the_rules():
         assert f"{s.scale:,.1f}" == shown and shown in text
 
 
+def test_lesson_13_exercise_5_is_the_ledger_s(mpirun):
+    """ZeRO-1 in bf16 with Adam on 4 ranks: 12 bytes a value of a padded 2,456-value shard."""
+    out = mpirun(4, ["-m", "mpipar.data_parallel", "--sync", "allreduce", "--zero", "1",
+                     "--model", "gpt", "--d-model", "16", "--n-heads", "2", "--n-layers", "2",
+                     "--seq-len", "8", "--batch-size", "12", "--steps", "1", "--quiet",
+                     "--precision", "bf16", "--memory"], timeout=90).stdout
+    assert re.search(r"^ +0  dp 0 +19,648 +19,648 +29,472 ", out, re.M), out
+    n = 9822
+    assert -(-n // 4) * 12 == 29472 and n * 12 == 117864
+    text = (LESSONS / "solutions" / "13-mixed-precision.md").read_text()
+    assert "29,472" in text and "2,456" in text and "117,864" in text and "19,648" in text
+
+
 # ----------------------------------------------------------------------------- lesson 9
 def test_lesson_9_link_numbers_are_the_csv():
     """The table lesson 9 shows is plots/link.csv's run (each rate's DP steps, exposed
