@@ -142,6 +142,7 @@ class Pipeline(Trainer):
     def __init__(self, task, grid, args):
         self.task, self.comm = task, grid.pp_comm
         self.schedule, self.n_micro, self.n_chunks = args.schedule, args.micro_batches, args.chunks
+        self.warmup = args.warmup or "production"  # (interleaved only)
         v = self.n_chunks
         p, stage = self.comm.size, self.comm.rank
         self.is_first_stage, self.is_last_stage = stage == 0, stage == p - 1
@@ -169,7 +170,8 @@ class Pipeline(Trainer):
 
     def schedule_of(self, stage):
         """A stage's instruction list (pure: the report asks for every stage's)."""
-        return stage_schedule(self.schedule, self.comm.size, stage, self.n_micro, self.n_chunks)
+        return stage_schedule(self.schedule, self.comm.size, stage, self.n_micro, self.n_chunks,
+                              self.warmup)
 
     def step(self, step):
         x, y = self.task.to_device(*self.task.batch(step))  # every rank makes the global batch

@@ -175,7 +175,8 @@ def main(scheme, argv=None, trainer_cls=None):
     B.steady_heap()  # a step reuses the memory pages of the step before
     a = parse_args(scheme, argv)
     if scheme == "pipeline" and a.print_schedule:
-        comm.log(format_schedule(a.schedule, a.stages, a.micro_batches, a.chunks))
+        comm.log(format_schedule(a.schedule, a.stages, a.micro_batches, a.chunks,
+                                 a.warmup or "production"))
         return
     comm.start_watchdog(a.timeout)  # from the first collective on, a rank that waits longer
     check_paths(a)  # in one call ends the job

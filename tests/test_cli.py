@@ -158,6 +158,8 @@ CASES = [  # (scheme, ranks, flags, what the message says)
      "(interleaved needs several) and its --overlap hooks each micro-batch's whole backward "
      "(zb-h1 splits it)"),
     ("pipeline", 2, ["--schedule", "interleaved", "--chunks", "0"], "--chunks must be positive"),
+    ("pipeline", 2, ["--schedule", "1f1b", "--warmup", "lean"],
+     "--warmup lean is the interleaved schedule's (1f1b has one warm-up)"),
     ("pipeline", 1, ["--print-schedule", "--stages", "0"], "--stages must be positive, got 0"),
     ("pipeline", 2, ["--model", "mlp", "--micro-batches", "65"], "exceeds --batch-size 64"),
     ("pipeline", 2, ["--schedule", "interleaved", "--micro-batches", "3"],

@@ -51,7 +51,8 @@ def test_interleaved_command_line_matches_serial(mpirun, tmp_path, capsys):
                      "2", "--micro-batches", "4", "--save-params", saved, "--timeline", "none"],
                  timeout=60).stdout
     assert_matches_serial(out, MLP, saved, tmp_path, capsys)
-    assert "schedule interleaved with 2 chunks per stage, 4 micro-batches" in out, out
+    assert "schedule interleaved with 2 chunks per stage, production warm-up, 4 micro-batches" \
+        in out, out
     assert re.search(r"piece 0 \(rank 0, chunk 0\): fc0", out), out
     assert re.search(r"piece 3 \(rank 1, chunk 1\): ", out), out
     assert re.search(r"bubble measured from the trace 0\.\d+ .*\(p-1\)/\(v\*m\+p-1\) = 0\.111",

@@ -2,11 +2,14 @@
 batches) the happens-before order, matched messages, stash sizes and bubble of a simulation;
 zero-bubble ZB-H1 with its W instructions too."""
 
+import itertools
+
 import pytest
 
 from mpipar.parts.schedules import (
     SCHEDULES,
     SPLIT,
+    WARMUPS,
     Backward,
     BackwardWeight,
     Forward,
@@ -26,6 +29,7 @@ from mpipar.parts.schedules import (
     schedule,
     simulate,
     simulated_bubble,
+    zb_h1_idle,
 )
 
 CASES = [(p, m) for p in range(1, 7) for m in range(1, 10)]
@@ -145,8 +149,8 @@ def test_printed_schedule():
 INTERLEAVED = [(p, m, v) for p in range(1, 6) for v in (2, 3) for m in range(p, 4 * p + 1, p)]
 
 
-def interleaved_lists(p, m, v):
-    return [interleaved(p, r, m, v) for r in range(p)]
+def interleaved_lists(p, m, v, warmup="production"):
+    return [interleaved(p, r, m, v, warmup) for r in range(p)]
 
 
 def test_instruction_prints_its_chunk_only_when_not_zero():
@@ -156,7 +160,9 @@ def test_instruction_prints_its_chunk_only_when_not_zero():
 
 
 def test_exact_interleaved_two_stages_two_chunks():
-    """Groups of p micro-batches through chunk 0 then chunk 1; warm-up (p-r-1) + (v-1)*p."""
+    """Groups of p micro-batches through chunk 0 then chunk 1; warm-up (p-r-1) + (v-1)*p
+    (lean) or 2(p-r-1) + (v-1)*p (production), both all 4 chunk-forwards of stage 0 here."""
+    assert interleaved_lists(2, 2, 2) == interleaved_lists(2, 2, 2, "lean")
     assert [" ".join(map(str, ins)) for ins in interleaved_lists(2, 2, 2)] == [
         "F0 SA0 F1 SA1 RA0.1 F0.1 SA0.1 RA1.1 F1.1 SA1.1 RG0.1 B0.1 SG0.1 RG1.1 B1.1 SG1.1 "
         "RG0 B0 RG1 B1 OPT",
@@ -168,15 +174,15 @@ def test_exact_interleaved_two_stages_two_chunks():
 def test_interleaved_with_one_chunk_is_1f1b():
     for p, m in CASES:
         if m % p == 0:
-            assert [interleaved(p, r, m, 1) for r in range(p)] == \
+            assert [interleaved(p, r, m, 1, "lean") for r in range(p)] == \
                 [one_f_one_b(p, r, m) for r in range(p)], (p, m)
 
 
 def test_interleaved_happens_before_and_matched_messages():
     """Piece c*p + s (chunk c of stage s) runs a micro-batch's forward after piece c*p + s - 1
     and its backward after piece c*p + s + 1; no deadlock, nothing left unreceived."""
-    for p, m, v in INTERLEAVED:
-        timeline = simulate(interleaved_lists(p, m, v))  # raises on deadlock or mismatch
+    for (p, m, v), warmup in itertools.product(INTERLEAVED, WARMUPS):
+        timeline = simulate(interleaved_lists(p, m, v, warmup))  # raises on deadlock, mismatch
         fwd, bwd = {}, {}
         for s, events in enumerate(timeline):
             assert isinstance(events[-1][0], OptimizerStep)
@@ -196,8 +202,8 @@ def test_interleaved_happens_before_and_matched_messages():
 
 def test_interleaved_every_send_has_its_receive():
     """Sends of each kind and chunk are received in the same order by the piece they go to."""
-    for p, m, v in INTERLEAVED:
-        lists = interleaved_lists(p, m, v)
+    for (p, m, v), warmup in itertools.product(INTERLEAVED, WARMUPS):
+        lists = interleaved_lists(p, m, v, warmup)
         for x in range(p * v):
             c, s = divmod(x, p)
             for send, recv, y in ((SendAct, RecvAct, x + 1), (SendGrad, RecvGrad, x - 1)):
@@ -211,9 +217,10 @@ def test_interleaved_every_send_has_its_receive():
 
 def test_interleaved_simulated_bubble_is_the_formula():
     """A chunk's forward costs 1/v, its backward 2/v: bubble (p-1)/(v*m+p-1), v times less
-    than 1F1B's; v times as many messages; stashes per the docstring."""
-    for p, m, v in INTERLEAVED:
-        lists = interleaved_lists(p, m, v)
+    than 1F1B's; v times as many messages; stashes per the docstring, the lean warm-up p-r-1
+    chunk activations fewer than the production one."""
+    for (p, m, v), warmup in itertools.product(INTERLEAVED, WARMUPS):
+        lists = interleaved_lists(p, m, v, warmup)
         got = simulated_bubble(simulate(lists, forward_cost=1 / v, backward_cost=2 / v))
         assert got == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12), (p, m, v)
         plain = schedule("1f1b", p, m)
@@ -221,8 +228,24 @@ def test_interleaved_simulated_bubble_is_the_formula():
         assert count == v * sum(isinstance(i, (SendAct, SendGrad)) for ins in plain for i in ins) \
             + 2 * m * (v - 1), (p, m, v)
         for r in range(p):
-            assert peak_in_flight(lists[r]) == min(p - r + (v - 1) * p, v * m), (p, m, v, r)
+            ahead = (p - r - 1) * (2 if warmup == "production" else 1)
+            assert peak_in_flight(lists[r]) == min(ahead + (v - 1) * p + 1, v * m), (p, m, v, r)
             assert in_flight(lists[r])[-1] == 0
+
+
+def test_the_production_warm_up_tolerates_latency():
+    """p = 4, m = 16, v = 2, a message 0.1 of a chunk-forward: the lean warm-up's bubble is
+    0.130, the production one's 0.098; with no latency both are (p-1)/(vm+p-1) = 0.086, and
+    the gap grows with the latency (every steady-state step of the lean list waits for the
+    message its neighbour has just sent)."""
+    def bubble(warmup, latency):
+        return simulated_bubble(simulate(interleaved_lists(4, 16, 2, warmup), 0.5, 1.0,
+                                         message_cost=0.5 * latency))
+    assert bubble("lean", 0.1) == pytest.approx(0.1304, abs=5e-4)
+    assert bubble("production", 0.1) == pytest.approx(0.0977, abs=5e-4)
+    assert bubble("lean", 0) == pytest.approx(bubble("production", 0)) == pytest.approx(3 / 35)
+    gaps = [bubble("lean", x) - bubble("production", x) for x in (0.05, 0.1, 0.2, 0.5, 1.0)]
+    assert all(0 < a < b for a, b in zip(gaps, gaps[1:])), gaps
 
 
 def test_interleaved_costs_per_stage_and_per_micro_batch():
@@ -240,6 +263,8 @@ def test_interleaved_bad_arguments_and_broken_chunks():
         interleaved(4, 0, 6, 2)
     with pytest.raises(ValueError, match="chunks must be positive"):
         interleaved(2, 0, 2, 0)
+    with pytest.raises(ValueError, match="unknown warm-up 'eager'"):
+        interleaved(2, 0, 2, 2, "eager")
     # chunk 1 of stage 0 takes its input from stage 1's chunk 0, not from stage 0's chunk 0
     with pytest.raises(ScheduleError, match="deadlock"):
         simulate([[Forward(0), SendAct(0), RecvAct(0, 1), Forward(0, 1)], [RecvAct(0, 1)]])
@@ -322,7 +347,7 @@ def test_peak_stash_in_bytes():
 @pytest.mark.parametrize("tf,tb,tw", [(1, 1, 1), (1, 1.5, 0.5), (2, 1, 1), (1, 2, 1)])
 def test_zb_h1_idle_time_is_the_papers(tf, tb, tw):
     """Qi et al. 2024, Sec. 3.1: each stage idles (p-1)(TF+TB-TW) in a step (m >= p, W no
-    longer than B), against 1F1B's (p-1)(TF+TB+TW): a third of it when the three are equal."""
+    longer than F or B), against 1F1B's (p-1)(TF+TB+TW): a third of it when the three are equal."""
     for p, m in CASES:
         if m < p:
             continue
@@ -332,6 +357,23 @@ def test_zb_h1_idle_time_is_the_papers(tf, tb, tw):
             for events in timeline:
                 busy = sum(t1 - t0 for i, t0, t1 in events if i.kind in ("forward", "backward"))
                 assert end - busy == pytest.approx(idle), (name, p, m, tf, tb, tw)
+
+
+@pytest.mark.parametrize("tf,tb,tw", [(0.5, 1, 0.75), (1, 0.5, 0.75), (0.5, 1, 1), (1, 1, 2),
+                                      (2, 1, 1.5), (1, 2, 1.5)])
+def test_zb_h1_idles_max_f_b_when_w_is_longer_than_f_or_b(tf, tb, tw):
+    """The paper's (p-1)(TF+TB-TW) needs W no longer than F and B: with W longer than either
+    the replay idles (p-1) max(TF, TB) (p = 4, m = 8, F 0.5, B 1, W 0.75: 3, not 2.25)."""
+    for p, m in CASES:
+        if m < p:
+            continue
+        timeline = simulate(schedule("zb-h1", p, m), tf, tb + tw, weight_share=tw / (tb + tw))
+        end = max(t1 for events in timeline for _, _, t1 in events)
+        for events in timeline:
+            busy = sum(t1 - t0 for i, t0, t1 in events if i.kind in ("forward", "backward"))
+            assert end - busy == pytest.approx(zb_h1_idle(p, tf, tb, tw))
+            assert end - busy == pytest.approx((p - 1) * max(tf, tb))
+    assert zb_h1_idle(4, 0.5, 1, 0.75) == 3.0 and 3 * (0.5 + 1 - 0.75) == 2.25
 
 
 @pytest.mark.parametrize("tf,tb,tw", [(1, 1, 1), (1, 1.5, 0.5), (2, 1, 1), (1, 2, 1)])

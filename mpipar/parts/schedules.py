@@ -19,7 +19,9 @@ simulated on its own (the idea of shallowspeed's instruction lists).
 - ``interleaved`` (Narayanan et al. 2021, Sec. 2.2.2): v model chunks per stage, the model cut
   into p*v pieces and stage r holding pieces r, r+p, ...; its instructions name their chunk
   (``F3.1``: forward of micro-batch 3 on chunk 1). Bubble (p-1)/(v*m+p-1), v times more
-  messages; m must be a multiple of p. Called as ``interleaved(p, r, m, v)``.
+  messages; m must be a multiple of p. Called as ``interleaved(p, r, m, v, warmup)``: the
+  warm-up of Megatron-LM and PyTorch (``production``, the default) or one that holds less
+  and has no slack for a message's latency (``lean``).
 - ``zb-h1`` (Qi et al. 2024, arXiv:2401.10241, Sec. 3.1): 1F1B with each backward split into
   B (``Backward``: the input's gradient, sent at once) and W (``BackwardWeight``: the
   parameters' gradients, which no stage waits for), the W's held back to fill the cool-down.
@@ -152,23 +154,34 @@ def one_f_one_b(n_stages, stage, n_micro):
     return out + [OptimizerStep()]
 
 
-def interleaved(n_stages, stage, n_micro, n_chunks=2):
+WARMUPS = ("production", "lean")  # the interleaved schedule's warm-ups
+
+
+def interleaved(n_stages, stage, n_micro, n_chunks=2, warmup="production"):
     """Interleaved 1F1B: v = ``n_chunks`` model chunks per stage (Narayanan et al. 2021,
     Sec. 2.2.2). The model is cut into p*v pieces; stage r holds pieces r, r+p, r+2p, ..., so
     an activation goes from chunk c of stage p-1 to chunk c+1 of stage 0. Micro-batches go
     through in groups of p: chunk 0 of the group, then chunk 1, ...; backwards in the reverse
-    chunk order. Stage r runs min((p-r-1) + (v-1)*p, v*m) warm-up chunk-forwards, then one
-    forward one backward, then cools down; with v = 1 this is 1F1B. Megatron-LM warms up
-    p-r-1 chunk-forwards more because it posts each step's sends and receives together; with
-    non-blocking sends and receives in list order these are not needed (the simulation reaches
-    the bubble without them). Bubble (p-1)/(v*m+p-1) with the costs of one chunk 1/v of the
-    stage's; stage r stashes at most min((p-r-1) + (v-1)*p + 1, v*m) chunk activations; m must be a
-    multiple of p.
+    chunk order. Stage r runs w warm-up chunk-forwards, then one forward one backward, then
+    cools down. The warm-up:
+
+    - ``production`` (Megatron-LM's and PyTorch's ScheduleInterleaved1F1B):
+      w = min(2(p-r-1) + (v-1)p, v*m). Each steady-state step's message was sent one step
+      earlier, so it has a step's slack to arrive: the bubble grows slowly with latency.
+    - ``lean``: w = min((p-r-1) + (v-1)p, v*m), p-r-1 fewer. With zero latency it is as fast
+      and stashes p-r-1 fewer chunk activations, but every steady-state step waits for the
+      message its neighbour has just sent, so each latency adds to every step.
+
+    With v = 1 the lean warm-up is 1F1B's. Bubble (p-1)/(v*m+p-1) with zero latency and the
+    costs of one chunk 1/v of the stage's; stage r stashes at most min(w + 1, v*m) chunk
+    activations; m must be a multiple of p.
     """
     _check(n_stages, stage, n_micro)
     p, v = n_stages, n_chunks
     if v < 1:
         raise ValueError(f"the number of model chunks must be positive, got {v}")
+    if warmup not in WARMUPS:
+        raise ValueError(f"unknown warm-up {warmup!r}: choose one of {', '.join(WARMUPS)}")
     if n_micro % p:
         raise ValueError(f"interleaved 1F1B needs the micro-batches ({n_micro}) to be a "
                          f"multiple of the stages ({p})")
@@ -179,7 +192,8 @@ def interleaved(n_stages, stage, n_micro, n_chunks=2):
         chunk = i // p
         return group * p + i % p, (chunk if forward else v - 1 - chunk)
 
-    warmup = min((p - stage - 1) + (v - 1) * p, total)
+    ahead = (p - stage - 1) * (2 if warmup == "production" else 1)  # forwards before the
+    warmup = min(ahead + (v - 1) * p, total)  # first backward, on top of the other chunks'
     out = []
     for j in range(warmup):
         out += _forward(p, stage, *unit(j, True), v)
@@ -200,7 +214,9 @@ def zb_h1(n_stages, stage, n_micro):
     Stage r thus holds up to r more micro-batches than in 1F1B (forward done, W not yet):
     min(p, m) on every stage, the most 1F1B holds on its first. B's travel back one stage per
     B, not per B+W, and the W's fill the cool-down: each stage idles (p-1)(TF+TB-TW) against
-    1F1B's (p-1)(TF+TB+TW) (m >= p, W no longer than B), a third when the three are equal.
+    1F1B's (p-1)(TF+TB+TW) (m >= p), a third when the three are equal. That needs W no longer
+    than F and no longer than B: a W fills the gap one F or one B leaves, so a longer W fills
+    only that much, and each stage idles (p-1) max(TF, TB) (:func:`zb_h1_idle`).
     """
     _check(n_stages, stage, n_micro)
     warmup = min(n_stages - stage - 1, n_micro)
@@ -225,20 +241,22 @@ SPLIT = {"zb-h1": zb_h1}  # B and W apart: the pipeline's own stages (not the hy
 CHOICES = (*SCHEDULES, "interleaved", *SPLIT)  # interleaved also takes the model chunks
 
 
-def stage_schedule(name, n_stages, stage, n_micro, n_chunks=1):
-    """One stage's instruction list; ``n_chunks`` is used by (and only by) ``interleaved``."""
+def stage_schedule(name, n_stages, stage, n_micro, n_chunks=1, warmup="production"):
+    """One stage's instruction list; ``n_chunks`` and ``warmup`` are used by (and only by)
+    ``interleaved``."""
     if name not in CHOICES:
         raise ValueError(f"unknown schedule {name!r}: choose one of {', '.join(CHOICES)}")
     if name == "interleaved":
-        return interleaved(n_stages, stage, n_micro, n_chunks)
+        return interleaved(n_stages, stage, n_micro, n_chunks, warmup)
     if n_chunks != 1:
         raise ValueError(f"schedule {name} runs one model chunk per stage, not {n_chunks}")
     return {**SCHEDULES, **SPLIT}[name](n_stages, stage, n_micro)
 
 
-def schedule(name, n_stages, n_micro, n_chunks=1):
+def schedule(name, n_stages, n_micro, n_chunks=1, warmup="production"):
     """Every stage's instruction list for one step."""
-    return [stage_schedule(name, n_stages, s, n_micro, n_chunks) for s in range(n_stages)]
+    return [stage_schedule(name, n_stages, s, n_micro, n_chunks, warmup)
+            for s in range(n_stages)]
 
 
 def bubble_formula(n_stages, n_micro, name="gpipe", n_chunks=1):
@@ -255,6 +273,13 @@ def bubble_formula(n_stages, n_micro, name="gpipe", n_chunks=1):
         return idle / (3 * m + idle)
     v = n_chunks if name == "interleaved" else 1
     return (p - 1) / (v * m + p - 1)
+
+
+def zb_h1_idle(n_stages, tf, tb, tw):
+    """The time each stage of ZB-H1 idles in a step (m >= p), forward, B and W taking tf, tb
+    and tw: (p-1)(tf + tb - tw) when W is no longer than F or B, else (p-1) max(tf, tb); in
+    one formula (p-1)(tf + tb - min(tf, tb, tw))."""
+    return (n_stages - 1) * (tf + tb - min(tf, tb, tw))
 
 
 # ----------------------------------------------------------------------------- analysis
@@ -426,14 +451,14 @@ def simulated_bubble(timeline):
     return 1.0 - sum(t1 - t0 for t0, t1 in spans) / (len(timeline) * (end - begin))
 
 
-def format_schedule(name, n_stages, n_micro, n_chunks=1):
+def format_schedule(name, n_stages, n_micro, n_chunks=1, warmup="production"):
     """Every stage's instruction list, and the simulated timeline (forward 1 unit, backward 2,
     per chunk; a split backward B 1 and W 1: the bubble share does not depend on the unit)."""
-    lists = schedule(name, n_stages, n_micro, n_chunks)
+    lists = schedule(name, n_stages, n_micro, n_chunks, warmup)
     timeline = simulate(lists)
     chunked, split = name == "interleaved", name in SPLIT
     lines = [f"schedule {name}: {n_stages} stages, {n_micro} micro-batches"
-             + (f", {n_chunks} model chunks per stage" if chunked else ""),
+             + (f", {n_chunks} model chunks per stage, {warmup} warm-up" if chunked else ""),
              "  F/B forward/backward" + (" (B: the input's gradient only), W the weights' "
                                          "gradient" if split else "")
              + ", SA/RA send/receive activation, SG/RG send/receive "

@@ -212,6 +212,8 @@ FLAG_RULES = [
      "--chunks {a.chunks} needs --schedule interleaved ({a.schedule} runs one model chunk "
      "per rank)"),
     (PP, lambda a: a.chunks <= 0, "--chunks must be positive, got {a.chunks}"),
+    (PP, lambda a: a.warmup is not None and a.schedule != "interleaved",
+     "--warmup {a.warmup} is the interleaved schedule's ({a.schedule} has one warm-up)"),
     (PP, lambda a: a.schedule in SPLIT and a.recompute == "full",
      "--schedule {a.schedule} runs each backward as B and W apart, but --recompute runs a "
      "stage's backward whole (recompute.Recomputed does not split it): every W would be "
@@ -278,9 +280,9 @@ def complete(a, scheme, n):
     for key, value in DEFAULTS[a.model].items():
         if getattr(a, key) is None:
             setattr(a, key, value)
-    absent = dict(explain=False, micro_batches=1, chunks=1, partition=None, bucket_mb=None,
-                  overlap=False, dp=1, tp=1, pp=1, sequence_parallel=False, ep=1, a2a="mpi",
-                  cp=1, cp_algo="ring", grad_sum="fp32")
+    absent = dict(explain=False, micro_batches=1, chunks=1, warmup=None, partition=None,
+                  bucket_mb=None, overlap=False, dp=1, tp=1, pp=1, sequence_parallel=False, ep=1,
+                  a2a="mpi", cp=1, cp_algo="ring", grad_sum="fp32")
     for key in [key for key in absent if not hasattr(a, key)]:
         setattr(a, key, absent[key])
     a.dp, a.tp, a.pp = {"data_parallel": (n, 1, 1), "tensor_parallel": (1, n, 1),

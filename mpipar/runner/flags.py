@@ -8,7 +8,7 @@ per model; what a flag may not be is checked there too, by the refusal tables.
 
 import argparse
 
-from mpipar.parts.schedules import CHOICES, SCHEDULES
+from mpipar.parts.schedules import CHOICES, SCHEDULES, WARMUPS
 
 DEFAULT_TIMELINE = "pipeline-timeline.png"
 
@@ -163,6 +163,11 @@ def scheme_flags(ap, scheme):
         g.add_argument("--chunks", type=int, metavar="V",
                        help="model chunks per rank for --schedule interleaved (default 2; the "
                             "model is cut into P*V pieces)")
+        g.add_argument("--warmup", choices=WARMUPS, default=None,
+                       help="the interleaved schedule's warm-up: production (Megatron-LM's and "
+                            "PyTorch's, the default: 2(P-r-1) more chunk-forwards on rank r, a "
+                            "step of slack for each message) or lean (P-r-1 fewer: holds less, "
+                            "waits for every message)")
         g.add_argument("--timeline", default=DEFAULT_TIMELINE, metavar="FILE.png", type=given,
                        help="Gantt chart of a real step's trace, the median step by duration "
                             f"(default {DEFAULT_TIMELINE}; 'none' for no chart)")

@@ -133,6 +133,7 @@ class PipelineReport(Report):
         rows = "/".join(map(str, sorted(set(self.trainer.micro_rows), reverse=True)))
         head = (f"pipeline: {a.model} with {self.n_params:,} parameters on {p} stages, "
                 f"schedule {a.schedule}" + (f" with {v} chunks per stage" if v > 1 else "")
+                + (f", {self.trainer.warmup} warm-up" if a.schedule == "interleaved" else "")
                 + f", {a.micro_batches} micro-batches of {rows} rows, {self.training()}, "
                 f"{self.tail()}")
         where = (lambda x: f"stage {x} (rank {x})") if v == 1 else \

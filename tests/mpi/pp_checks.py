@@ -138,14 +138,14 @@ def check_zero_bubble(task, ref_losses, ref_params, m):
             f"{task.kind} zb-h1 m={m}: rank {r} {pname} differs from 1F1B's"
 
 
-def check_interleaved(task, ref_losses, ref_params, m, v=2):
+def check_interleaved(task, ref_losses, ref_params, m, v=2, warmup="production"):
     """Interleaved 1F1B: the model in P*v pieces, chunk c of this rank is piece c*P + r."""
-    name = f"{task.kind} interleaved v={v} m={m}"
+    name = f"{task.kind} interleaved v={v} m={m} {warmup} warm-up"
     counts, _ = plan.plan_stages(task, P * v, m)
     bounds = plan.stage_bounds(counts)
     mine = [bounds[c * P + r] for c in range(v)]
     chunks = [PP.build_stage(task.build_model(), b, task.args.seed) for b in mine]
-    instructions = interleaved(P, r, m, v)
+    instructions = interleaved(P, r, m, v, warmup)
     peak = train_and_compare(name, task, chunks, instructions, m, ref_losses, ref_params)
     if task.args.batch_size % m == 0:  # the most bytes the chunks in flight stash at once
         one = [stash_of_one_micro_batch(task, b, m) for b in mine]
@@ -238,5 +238,6 @@ if P in (2, 4):
         task = make_task(flags + ["--dtype", "float64", "--steps", "3"])
         ref_losses, ref_params, _ = serial_run(task, STEPS)
         for m in (4, 8):
-            check_interleaved(task, ref_losses, ref_params, m)
+            for warmup in ("production", "lean"):
+                check_interleaved(task, ref_losses, ref_params, m, warmup=warmup)
 C.log(f"pp checks passed on {P} ranks")
