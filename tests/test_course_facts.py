@@ -175,6 +175,19 @@ def test_lesson_5_micro_batch_sizes_are_the_csvs():
         assert f"ZB-H1 at {speed['zb-h1']}" in text or f"ZB-H1 {speed['zb-h1']}" in text, name
 
 
+def test_lesson_5_warm_up_numbers_are_the_simulator_s():
+    """Exercise 10 and the warm-up paragraph: stashes, and the bubbles at latencies 0.1 and
+    0.5 of a chunk's forward (the lesson's 0.130 and 0.098 are test_schedules')."""
+    from mpipar.tools.figures.layouts import warmup_run
+
+    d = warmup_run()
+    half = d["latencies"].index(0.5)
+    text = (LESSONS / "solutions" / "05-pipeline-parallel.md").read_text()
+    assert d["lean"]["stash"][0] == 8 and d["production"]["stash"][0] == 11
+    assert f"{d['lean']['bubble'][half]:.3f} against {d['production']['bubble'][half]:.3f}" \
+        in text
+
+
 def test_lesson_5_says_the_pipeline_gpt_has_4_blocks():
     assert cli.parse_args("pipeline", ["--timeline", "none"], n_ranks=4).n_layers == 4
     assert cli.parse_args("serial", ["--model", "gpt"], n_ranks=1).n_layers == 2

@@ -26,8 +26,10 @@ Each picture runs the real function it shows and draws what that function did:
    pairs it attends, skips or masks; its output checked against the serial attention core.
 9. ``precision_ranges.png``: every gradient entry of the serial GPT's first step, by power of two,
    against fp16's range, without a loss scale and with 2^16 (and bf16's, which holds them all).
+10. ``warmup.png``: the interleaved schedule's production and lean warm-ups, simulated for a
+    range of message latencies: the bubble of each, and each stage's stash.
 
-Pictures 1-4 live in :mod:`mpipar.tools.figures.collectives`, 5-6 in
+Pictures 1-4 live in :mod:`mpipar.tools.figures.collectives`, 5-6 and 10 in
 :mod:`mpipar.tools.figures.layouts`, 7 in :mod:`mpipar.tools.figures.experts`, 8 in
 :mod:`mpipar.tools.figures.context`, 9 in :mod:`mpipar.tools.figures.precision`, the stand-ins and
 shared settings in :mod:`mpipar.tools.figures.draw`. Each figure function returns the data it
@@ -58,7 +60,8 @@ def figures():
     return {"ring": C.ring_figure, "master_vs_ring": C.master_vs_ring_figure,
             "megatron_mlp": C.megatron_figure, "vocab_cross_entropy": C.cross_entropy_figure,
             "schedules": L.schedules_figure, "grid": L.grid_figure, "dispatch": X.dispatch_figure,
-            "context_ring": R.ring_figure, "precision_ranges": P.precision_figure}
+            "context_ring": R.ring_figure, "precision_ranges": P.precision_figure,
+            "warmup": L.warmup_figure}
 
 
 def digest(data):

@@ -65,6 +65,55 @@ def schedules_figure(path, p=4, m=4):
     return data
 
 
+# ----------------------------------------------------------------------------- 10. warm-ups
+LATENCIES = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)  # of a chunk's forward
+
+
+def warmup_run(p=4, m=16, v=2):
+    """The interleaved schedule's two warm-ups as :func:`~mpipar.parts.schedules.simulate`
+    times them (a chunk's forward 1, backward 2) for each message latency of LATENCIES: the
+    bubble, and each stage's most stashed chunk activations."""
+    from mpipar.parts import schedules as S
+
+    out = {}
+    for warmup in S.WARMUPS:
+        lists = S.schedule("interleaved", p, m, v, warmup)
+        out[warmup] = dict(
+            stash=[S.peak_in_flight(ins) for ins in lists],
+            bubble=[rounded(S.simulated_bubble(S.simulate(lists, 1.0, 2.0, message_cost=x)))
+                    for x in LATENCIES])
+    return dict(p=p, m=m, v=v, latencies=list(LATENCIES), **out)
+
+
+def warmup_figure(path, p=4, m=16, v=2):
+    """Left: the bubble of each warm-up against the message latency; right: each stage's
+    stash."""
+    d = warmup_run(p, m, v)
+    plt = pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for warmup, style, color in (("production", "o-", RANK_COLORS[0]),
+                                 ("lean", "s--", RANK_COLORS[1])):  # as in the right panel
+        left.plot(d["latencies"], d[warmup]["bubble"], style, color=color,
+                  label=f"--warmup {warmup}")
+    left.set_xlabel("message latency (a chunk's forward = 1)")
+    left.set_ylabel("idle share of the step (simulated)")
+    left.set_title(f"interleaved 1F1B, p = {p}, m = {m}, v = {v}: bubble", fontsize=10)
+    left.legend(fontsize=8, loc="upper left")
+    left.grid(alpha=0.3)
+    width = 0.38
+    for i, (warmup, color) in enumerate((("production", RANK_COLORS[0]),
+                                         ("lean", RANK_COLORS[1]))):
+        xs = [s + (i - 0.5) * width for s in range(p)]
+        right.bar(xs, d[warmup]["stash"], width, color=color, label=f"--warmup {warmup}")
+    right.set_xticks(range(p), [f"stage {s}" for s in range(p)])
+    right.set_ylabel("most chunk activations stashed at once")
+    right.set_title("what the slack costs: the stash", fontsize=10)
+    right.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    save(fig, path)
+    return d
+
+
 # ----------------------------------------------------------------------------- 6. the grid
 def grid_layout(dp=2, tp=2, pp=2):
     """Per world rank: its (dp, pp, tp) coordinate and its tp, pp and dp colours from Grid."""
