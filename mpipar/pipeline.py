@@ -82,6 +82,10 @@ from mpipar.parts.schedules import (
     RecvGrad,
     SendAct,
     SendGrad,
+    holder,
+    neighbour,
+    piece_of,
+    placement_of,
     stage_schedule,
 )
 from mpipar.runner.trainer import Trainer
@@ -143,14 +147,16 @@ class Pipeline(Trainer):
         self.task, self.comm = task, grid.pp_comm
         self.schedule, self.n_micro, self.n_chunks = args.schedule, args.micro_batches, args.chunks
         self.warmup = args.warmup or "production"  # (interleaved only)
-        v = self.n_chunks
+        v, self.placement = self.n_chunks, placement_of(args.schedule)
         p, stage = self.comm.size, self.comm.rank
-        self.is_first_stage, self.is_last_stage = stage == 0, stage == p - 1
+        self.is_first_stage = stage == 0  # the first piece's (and in a V, the last piece's)
+        self.is_last_stage = holder(self.placement, p, p * v - 1)[0] == stage  # the loss's
 
         # -- PP Step 1: split the model by layer into consecutive stages, one per rank --
         counts, self.flops = plan_stages(task, p * v, self.n_micro, args.partition)
-        self.bounds = stage_bounds(counts)  # piece x = c*p + r is chunk c of rank r
-        model, mine = task.build_model(), [c * p + stage for c in range(v)]
+        self.bounds = stage_bounds(counts)  # piece x: chunk c of rank r, as the placement says
+        model = task.build_model()
+        mine = [piece_of(self.placement, p, stage, c) for c in range(v)]
         names = [name for x in mine for name, _ in model.layers[slice(*self.bounds[x])]]
         comm.narrate(f"PP Step 1: stage {stage} holds layers " + "; ".join(
             f"{self.bounds[x][0]}..{self.bounds[x][1] - 1}" for x in mine)
@@ -182,9 +188,11 @@ class Pipeline(Trainer):
             targets=micro_batches(y, m) if self.is_last_stage else None,
             loss_fn=self.loss_fn, normalizer=y.size, optimizer=self.update,
             measure_stash=not self.peak_stash_bytes,  # the first step's is every step's
-            loss_scale=1.0 if self.scaler is None else self.scaler.scale)
+            loss_scale=1.0 if self.scaler is None else self.scaler.scale,
+            placement=self.placement)
         self.peak_stash_bytes = max(self.peak_stash_bytes, result.peak_stash_bytes)
-        return share_loss(self.comm, result.loss)
+        return share_loss(self.comm, result.loss, holder(self.placement, self.comm.size,
+                                                         self.comm.size * self.n_chunks - 1)[0])
 
     def parameters(self):
         return self.opt.params
@@ -201,7 +209,7 @@ class Pipeline(Trainer):
     def full_params(self):
         comm.narrate("PP Step 9: the parameters stay on their stage; gather them to rank 0 only "
                      "to evaluate or save")
-        return gather_params(self.module, self.comm)
+        return gather_params(self.module, self.comm, placement=self.placement)
 
 
 def build_stage(model, bounds, seed):
@@ -231,18 +239,20 @@ class StageRunner:
     Any module with nn.Module's ``forward(x, micro_id)`` / ``backward(dout, micro_id)`` can be
     the stage (a tensor-parallel block too; a schedule with W instructions calls its
     ``backward_input`` and ``backward_weight`` instead, the two parts of nn.SplitBackward);
-    a list of such modules is the stage's model chunks (interleaved 1F1B: chunk c of rank r
-    is piece c*p + r of the model). Buffers are keyed by (micro-batch id, chunk), because a
-    stage holds several micro-batches in flight.
+    a list of such modules is the stage's model chunks, placed as ``placement`` says
+    (:func:`mpipar.parts.schedules.piece_of`: interleaved 1F1B's chunk c of rank r is piece
+    c*p + r; a V's chunks are pieces r and 2p-1-r). Buffers are keyed by (micro-batch id,
+    chunk), because a stage holds several micro-batches in flight; an output for the next
+    piece on the same rank goes straight into its input buffer, without a message.
     """
 
     def __init__(self, module, pp_comm, micro_rows, inputs=None, targets=None, loss_fn=None,
-                 normalizer=None, optimizer=None, loss_scale=1.0):
+                 normalizer=None, optimizer=None, loss_scale=1.0, placement="loop"):
         self.module, self.comm, self.micro_rows = module, pp_comm, micro_rows
         self.chunks = chunks_of(module)
         self.stage, self.n_stages = pp_comm.rank, pp_comm.size
+        self.placement = placement
         self.is_first_stage = self.stage == 0
-        self.is_last_stage = self.stage == self.n_stages - 1
         self.inputs, self.targets = inputs, targets  # first stage / last stage only
         self.loss_fn, self.normalizer, self.optimizer = loss_fn, normalizer, optimizer
         self.loss_scale = loss_scale  # fp16: backward starts from the loss times it
@@ -253,11 +263,15 @@ class StageRunner:
         self.loss = 0.0
         self.peak_stash_bytes = 0
 
+    def next_of(self, c, step):
+        """The (rank, chunk) of the piece ``step`` after chunk c's, or None past the model."""
+        return neighbour(self.placement, self.n_stages, len(self.chunks), self.stage, c, step)
+
     def first_piece(self, c):
-        return self.is_first_stage and c == 0
+        return self.next_of(c, -1) is None
 
     def last_piece(self, c):
-        return self.is_last_stage and c == len(self.chunks) - 1
+        return self.next_of(c, 1) is None
 
     def name(self, k, c):
         return f"micro-batch {k}" + (f" (chunk {c})" if len(self.chunks) > 1 else "")
@@ -271,9 +285,9 @@ class StageRunner:
         self.output(k, c, self.chunks[c].forward(x, k))
 
     def send_act(self, k, c=0):
-        """To the next stage's same chunk; from the last stage to stage 0's next chunk."""
+        """To the rank and chunk of the next piece (:meth:`next_of`)."""
         # -- PP Step 3: the stage passes its output activations to the next stage --
-        dest, to = (self.stage + 1, c) if not self.is_last_stage else (0, c + 1)
+        dest, to = self.next_of(c, 1)
         comm.narrate(f"PP Step 3: stage {self.stage} sends {self.name(k, c)}'s activations "
                      f"to stage {dest}")
         self.sends += send_tensor(self.comm, self.acts_out.pop((k, c)), dest,
@@ -281,7 +295,7 @@ class StageRunner:
 
     def recv_act(self, k, c=0):
         # -- PP Step 4: the next stage receives them and continues the forward pass --
-        source = (self.stage - 1) % self.n_stages
+        source, _ = self.next_of(c, -1)
         comm.narrate(f"PP Step 4: stage {self.stage} receives {self.name(k, c)}'s activations "
                      f"from stage {source}, then runs forward on them")
         self.acts_in[k, c] = recv_tensor(self.comm, source, TAG_ACT + c * CHUNK_TAG, k,
@@ -293,6 +307,8 @@ class StageRunner:
         if self.last_piece(c):
             comm.narrate(f"PP Step 5: stage {self.stage} produced the logits of micro-batch {k}")
             self.compute_loss(k, y)
+        elif self.next_of(c, 1)[0] == self.stage:  # the next piece is here: no message
+            self.acts_in[k, self.next_of(c, 1)[1]] = y
         else:
             self.acts_out[k, c] = y  # Step 3 sends it
 
@@ -311,7 +327,7 @@ class StageRunner:
 
     def recv_grad(self, k, c=0):
         # -- PP Step 7: backward stage by stage; each passes its input's gradient back --
-        source = (self.stage + 1) % self.n_stages
+        source, _ = self.next_of(c, 1)
         comm.narrate(f"PP Step 7: stage {self.stage} receives {self.name(k, c)}'s gradient "
                      f"from stage {source}")
         self.grads_in[k, c] = recv_tensor(self.comm, source, TAG_GRAD + c * CHUNK_TAG, k,
@@ -327,7 +343,12 @@ class StageRunner:
                         "(parameter gradients accumulate with +=)"))
         chunk = self.chunks[c]
         dx = (chunk.backward_input if split else chunk.backward)(self.output_grad(k, c), k)
-        if not self.first_piece(c):
+        if self.first_piece(c):
+            return
+        before = self.next_of(c, -1)
+        if before[0] == self.stage:  # the previous piece is here: no message
+            self.grads_in[k, before[1]] = dx
+        else:
             self.grads_out[k, c] = dx
 
     def backward_weight(self, k, c=0):
@@ -337,8 +358,8 @@ class StageRunner:
         self.chunks[c].backward_weight(k)
 
     def send_grad(self, k, c=0):
-        """To the previous stage's same chunk; from stage 0 to the last stage's chunk c-1."""
-        dest, to = (self.stage - 1, c) if not self.is_first_stage else (self.n_stages - 1, c - 1)
+        """To the rank and chunk of the previous piece (:meth:`next_of`)."""
+        dest, to = self.next_of(c, -1)
         comm.narrate(f"PP Step 7: stage {self.stage} sends {self.name(k, c)}'s input gradient "
                      f"to stage {dest}")
         self.sends += send_tensor(self.comm, self.grads_out.pop((k, c)), dest,
@@ -379,12 +400,13 @@ class StageRunner:
         if left:
             raise RuntimeError(f"stage {self.stage}: the schedule left (micro-batch, chunk) "
                                f"behind: {left}")
-        return StepResult(self.loss if self.is_last_stage else None, self.peak_stash_bytes)
+        has_loss = any(self.last_piece(c) for c in range(len(self.chunks)))
+        return StepResult(self.loss if has_loss else None, self.peak_stash_bytes)
 
 
 def run_pipeline(module, instructions, pp_comm, micro_rows, inputs=None, targets=None,
                  loss_fn=None, normalizer=None, optimizer=None, zero_grad=True,
-                 measure_stash=True, loss_scale=1.0):
+                 measure_stash=True, loss_scale=1.0, placement="loop"):
     """One training step of one stage: zero the gradients, run the schedule's instructions.
 
     ``module``: the stage, or the list of its model chunks (interleaved).
@@ -394,6 +416,7 @@ def run_pipeline(module, instructions, pp_comm, micro_rows, inputs=None, targets
     nn.SoftmaxCrossEntropy; ``normalizer``: the target count of the whole batch.
     ``optimizer``: anything with ``step()`` (a hybrid scheme can allreduce inside it).
     ``loss_scale``: fp16's loss scale, which the last stage's backward starts from.
+    ``placement``: which model piece each chunk is ("loop" or "v", :func:`piece_of`).
     Returns StepResult(loss summed over micro-batches on the last stage else None, peak bytes
     of activations the module stashed, 0 without ``measure_stash``).
     """
@@ -401,30 +424,31 @@ def run_pipeline(module, instructions, pp_comm, micro_rows, inputs=None, targets
         for chunk in chunks_of(module):
             chunk.zero_grad()
     runner = StageRunner(module, pp_comm, micro_rows, inputs, targets, loss_fn, normalizer,
-                         optimizer, loss_scale)
+                         optimizer, loss_scale, placement)
     return runner.run(instructions, measure_stash)
 
 
-def share_loss(pp_comm, loss):
+def share_loss(pp_comm, loss, last=None):
     """The last stage has the loss; every stage gets it, so that every rank can print it and
     stop at once if it is not finite. The last stage, whose backwards end first, sends it to
     each other stage (p-1 messages of one number, which MPI delivers at once, eagerly) and the
     message waits for them: a Bcast would hold the first stage, which finishes last, until the
     last stage, idle and asleep by then, woke to pass the number on (MPI moves a collective
     only inside calls on every rank)."""
-    last, what = pp_comm.size - 1, "the step's loss, to print and check"
-    if last == 0:
+    last = pp_comm.size - 1 if last is None else last  # the rank of the loss (a V: rank 0)
+    what = "the step's loss, to print and check"
+    if pp_comm.size == 1:
         return loss
     buf = np.array([0.0 if loss is None else loss])
     if pp_comm.rank == last:
-        for dest in range(last):
+        for dest in (r for r in range(pp_comm.size) if r != last):
             pp_comm.Send(buf, dest, TAG_LOSS, what)
     else:
         pp_comm.Recv(buf, last, TAG_LOSS, what)
     return float(buf[0])
 
 
-def gather_params(module, pp_comm, root=0):
+def gather_params(module, pp_comm, root=0, placement="loop"):
     """{canonical name: host array} of the WHOLE model on root (None elsewhere), in the model's
     order: each stage's parameters (of all its chunks) flattened into one buffer, one Gatherv."""
     # -- PP Step 9: the parameters stay on their stage; gather them to rank 0 to evaluate or save --
@@ -440,8 +464,8 @@ def gather_params(module, pp_comm, root=0):
         return None
     pieces, offset, host = {}, 0, B.to_numpy(recv)
     for rank, stage_layout in enumerate(layout):
-        for c, chunk_layout in enumerate(stage_layout):  # chunk c of rank r: piece c*p + r
-            piece = pieces.setdefault(c * pp_comm.size + rank, {})
+        for c, chunk_layout in enumerate(stage_layout):  # chunk c of rank r: its piece
+            piece = pieces.setdefault(piece_of(placement, pp_comm.size, rank, c), {})
             for name, shape in chunk_layout:
                 size = int(np.prod(shape))
                 piece[name] = host[offset:offset + size].reshape(shape)

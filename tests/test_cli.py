@@ -158,6 +158,10 @@ CASES = [  # (scheme, ranks, flags, what the message says)
      "(interleaved needs several) and its --overlap hooks each micro-batch's whole backward "
      "(zb-h1 splits it)"),
     ("pipeline", 2, ["--schedule", "interleaved", "--chunks", "0"], "--chunks must be positive"),
+    ("pipeline", 2, ["--schedule", "zb-v", "--chunks", "3"],
+     "--schedule zb-v places 2 model chunks on each rank in a V, not --chunks 3"),
+    ("pipeline", 4, ["--schedule", "dualpipev", "--micro-batches", "6"],
+     "--schedule dualpipev needs at least 2 x 4 = 8 micro-batches"),
     ("pipeline", 2, ["--schedule", "1f1b", "--warmup", "lean"],
      "--warmup lean is the interleaved schedule's (1f1b has one warm-up)"),
     ("pipeline", 1, ["--print-schedule", "--stages", "0"], "--stages must be positive, got 0"),
@@ -174,6 +178,8 @@ CASES = [  # (scheme, ranks, flags, what the message says)
     ("pipeline", 2, ["--model", "mlp", "--partition", "a,b"], "expected layer counts like"),
     ("pipeline", 2, ["--model", "mlp", "--sizes", "64,16,10", "--schedule", "interleaved"],
      "4 model pieces but the mlp model has only 3 layers"),
+    ("pipeline", 2, ["--model", "mlp", "--sizes", "64,16,10", "--schedule", "zb-v"],
+     "4 model pieces but the mlp model has only 3 layers: use fewer ranks"),
     ("pipeline", 4, ["--model", "mlp", "--sizes", "64,10"],
      "4 pipeline stages but the mlp model has only 1 layers"),
 ]

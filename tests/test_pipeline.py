@@ -173,3 +173,16 @@ def test_split_backward_is_the_backward_bit_for_bit(kind, first):
         assert (a is None) == (b is None) == (first == 0) and (a is None or np.array_equal(a, b))
     for (name, p), (_, q) in zip(whole.named_parameters(), split.named_parameters()):
         assert np.array_equal(p.grad, q.grad), name
+
+
+@pytest.mark.parametrize("schedule", ["zb-v", "dualpipev"])
+def test_v_shaped_command_line_matches_serial(mpirun, tmp_path, capsys, schedule):
+    """--schedule zb-v / dualpipev on 2 ranks: 4 pieces in a V (rank 0 holds pieces 0 and 3),
+    the serial result, the loss from rank 0, the formula beside the measured bubble."""
+    saved = tmp_path / "pp.npz"
+    out = mpirun(2, ["-m", "mpipar.pipeline", *MLP, "--schedule", schedule, "--micro-batches",
+                     "4", "--save-params", saved, "--timeline", "none"], timeout=60).stdout
+    assert_matches_serial(out, MLP, saved, tmp_path, capsys)
+    assert re.search(r"piece 3 \(rank 0, chunk 1\): ", out), out
+    assert re.search(r"bubble measured from the trace 0\.\d+ .*\(p-1\)/\(6m\+p-1\) = 0\.040",
+                     out), out

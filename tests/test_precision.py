@@ -190,7 +190,7 @@ def test_bad_precision_input_is_one_line(scheme, flags, says, capsys):
 def test_bf16_without_ml_dtypes_is_one_line(monkeypatch, capsys):
     from mpipar.runner import cli
 
-    monkeypatch.setattr(cli, "precision_problem", lambda: "--precision bf16 needs the "
+    monkeypatch.setattr(P, "bf16_problem", lambda: "--precision bf16 needs the "
                         "ml_dtypes package for NumPy's bf16: pip install ml_dtypes")
     with pytest.raises(SystemExit):
         cli.parse_args("serial", ["--precision", "bf16"], 1)

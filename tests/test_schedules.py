@@ -226,7 +226,7 @@ def test_interleaved_simulated_bubble_is_the_formula():
         plain = schedule("1f1b", p, m)
         count = sum(isinstance(i, (SendAct, SendGrad)) for ins in lists for i in ins)
         assert count == v * sum(isinstance(i, (SendAct, SendGrad)) for ins in plain for i in ins) \
-            + 2 * m * (v - 1), (p, m, v)
+            + 2 * m * (v - 1) * (p > 1), (p, m, v)  # one rank: its chunks hand over locally
         for r in range(p):
             ahead = (p - r - 1) * (2 if warmup == "production" else 1)
             assert peak_in_flight(lists[r]) == min(ahead + (v - 1) * p + 1, v * m), (p, m, v, r)
@@ -420,3 +420,75 @@ def test_printed_zb_h1_schedule():
     assert "bubble 0.143 (formula 0.143)" in out
     with pytest.raises(ValueError, match="one model chunk per stage"):
         schedule("zb-h1", 2, 4, 2)
+
+
+# ----------------------------------------------------------------------------- V-shaped
+V_CASES = [(p, m) for p in range(1, 7) for m in range(2 * p, 4 * p + 2)]
+
+
+@pytest.mark.parametrize("name", ["zb-v", "dualpipev"])
+def test_v_shaped_pieces_run_in_order_and_every_message_is_received(name):
+    """Piece x = r (chunk 0) or 2p-1-r (chunk 1) of rank r runs a micro-batch's forward after
+    piece x-1 and its backward after piece x+1; the handover from piece p-1 to piece p stays on
+    rank p-1 (no message), every other boundary is one message each way; nothing is left."""
+    for p, m in V_CASES:
+        lists = schedule(name, p, m, 2)
+        timeline = simulate(lists, placement="v")  # raises on deadlock or mismatch
+        fwd, bwd = {}, {}
+        for s, events in enumerate(timeline):
+            for ins, t0, t1 in events:
+                if isinstance(ins, (Forward, Backward)):
+                    x = s if ins.chunk == 0 else 2 * p - 1 - s
+                    (fwd if isinstance(ins, Forward) else bwd)[x, ins.micro] = (t0, t1)
+        assert sorted(fwd) == sorted(bwd) == [(x, k) for x in range(2 * p) for k in range(m)]
+        for x, k in fwd:
+            assert fwd[x, k][1] <= bwd[x, k][0]
+            if x + 1 < 2 * p:
+                assert fwd[x, k][1] <= fwd[x + 1, k][0] and bwd[x + 1, k][1] <= bwd[x, k][0]
+        sends = sum(isinstance(i, (SendAct, SendGrad)) for ins in lists for i in ins)
+        assert sends == 2 * m * (2 * p - 2), (name, p, m)  # 2p-1 boundaries, one on a rank
+
+
+@pytest.mark.parametrize("name, stash", [("zb-v", 0), ("dualpipev", 1)])
+def test_v_shaped_bubble_is_the_ramp_alone_and_the_stash_is_the_papers(name, stash):
+    """F, B and W equal: the step is 6m + p - 1 chunk-units, the least possible (the last rank
+    cannot start before the first micro-batch has crossed p-1 pieces): bubble (p-1)/(6m+p-1),
+    the formula's; every rank stashes 2p chunk activations (ZB-V: 1F1B's p micro-batches) or
+    2p+1 (DualPipeV: the report's PP+1 with PP = 2p pieces)."""
+    for p, m in V_CASES:
+        lists = schedule(name, p, m, 2)
+        got = simulated_bubble(simulate(lists, placement="v"))
+        assert got == pytest.approx(bubble_formula(p, m, name, 2), abs=1e-12)
+        assert got == pytest.approx((p - 1) / (6 * m + p - 1), abs=1e-12)
+        assert [peak_in_flight(ins) for ins in lists] == [2 * p + stash] * p, (p, m)
+
+
+def test_zb_v_has_the_papers_zero_bubble_every_stage_busy_from_first_to_last():
+    """ZB-V's zero bubble (F, B, W equal, m >= 2p-1): no rank idles between its first and its
+    last instruction; rank r starts r chunk-forwards after rank 0."""
+    for p in range(1, 7):
+        for m in range(2 * p - 1, 3 * p + 1):
+            for s, events in enumerate(simulate(schedule("zb-v", p, m, 2), placement="v")):
+                work = [(t0, t1) for ins, t0, t1 in events if ins.kind in ("forward", "backward")]
+                assert work[0][0] == s and work[-1][1] - s == 6 * m, (p, m, s)
+                assert all(a[1] == b[0] for a, b in zip(work, work[1:])), (p, m, s)
+
+
+def test_dualpipev_pairs_a_forward_with_another_micro_batch_s_backward():
+    """The main phase runs F0 beside B1 and F1 beside B0 of other micro-batches (p = 2, m = 4,
+    stage 1: micro-batch 2's forward on chunk 1, then micro-batch 0's backward on chunk 0),
+    the forward's send posted before the backward's receive; rank r of the phase runs
+    m - 2p + r + 1 such double pairs; a count it cannot run is refused."""
+    ins = " ".join(map(str, schedule("dualpipev", 2, 4, 2)[1]))
+    assert "RG0.1 B0.1 F2.1 SA2.1 B0 SG0 RA3 F3 RG1.1 B1.1 F3.1 SA3.1 B1 SG1" in ins, ins
+    with pytest.raises(ValueError, match="dualpipev needs at least 2 x 4 = 8 micro-batches"):
+        schedule("dualpipev", 4, 7, 2)
+    with pytest.raises(ValueError, match="runs two model chunks per stage"):
+        schedule("zb-v", 2, 4, 3)
+
+
+def test_v_shaped_by_name_and_on_the_command_line():
+    out = format_schedule("zb-v", 2, 4, 2)
+    assert "2 model chunks per stage in a V (stage r holds pieces r and 3-r)" in out
+    assert "bubble 0.040 (formula 0.040)" in out
+    assert bubble_formula(4, 8, "dualpipev", 2) == pytest.approx(3 / 51)

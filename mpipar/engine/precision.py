@@ -115,6 +115,16 @@ class LossScaler:
         self.overflows_left, self.skipped = int(state["overflows_left"]), int(state["skipped"])
 
 
+def bf16_problem():
+    """Why bf16 cannot be stored here (ml_dtypes missing), or None."""
+    try:
+        import ml_dtypes  # noqa: F401
+    except ImportError:
+        return "--precision bf16 needs the ml_dtypes package for NumPy's bf16: pip install " \
+            "ml_dtypes"
+    return None
+
+
 def scaler_for(args):
     """The run's loss scaler: fp16's, from ``--loss-scale`` and ``--loss-scale-interval``;
     None in any other precision (nothing to scale)."""

@@ -22,6 +22,10 @@ simulated on its own (the idea of shallowspeed's instruction lists).
   messages; m must be a multiple of p. Called as ``interleaved(p, r, m, v, warmup)``: the
   warm-up of Megatron-LM and PyTorch (``production``, the default) or one that holds less
   and has no slack for a message's latency (``lean``).
+- ``zb-v`` and ``dualpipev``: two chunks a stage placed in a V (stage r holds pieces r and
+  2p-1-r, so the middle of the model never leaves stage p-1 and the loss is on stage 0); ZB-V
+  with B and W apart, DualPipeV's eight phases with one micro-batch's forward beside
+  another's backward. Both reach the least step with F, B and W equal: bubble (p-1)/(6m+p-1).
 - ``zb-h1`` (Qi et al. 2024, arXiv:2401.10241, Sec. 3.1): 1F1B with each backward split into
   B (``Backward``: the input's gradient, sent at once) and W (``BackwardWeight``: the
   parameters' gradients, which no stage waits for), the W's held back to fill the cool-down.
@@ -35,91 +39,28 @@ and end: the tests read the happens-before order from it, and ``--print-schedule
 """
 
 from collections import deque
-from dataclasses import dataclass
-from typing import Optional
 
-
-# ----------------------------------------------------------------------------- instructions
-@dataclass(frozen=True)
-class Instruction:
-    micro: Optional[int] = None  # the micro-batch id (None for the optimizer step)
-    chunk: int = 0  # the model chunk the stage runs it on (interleaved 1F1B; else always 0)
-    code = "?"  # short name for printing
-    kind = "?"  # trace kind: forward, backward, send, recv, optimizer
-    part = None  # drawn in a colour of its own on a timeline (W: "weight"), else by its kind
-
-    def __str__(self):
-        if self.micro is None:
-            return self.code
-        return f"{self.code}{self.micro}" + (f".{self.chunk}" if self.chunk else "")
-
-
-class Forward(Instruction):
-    """Run the stage forward on micro-batch ``micro`` (the last stage also computes the loss)."""
-    code, kind = "F", "forward"
-
-
-class Backward(Instruction):
-    """Run the stage backward on micro-batch ``micro`` (the last stage starts from the loss);
-    in a schedule with W instructions only its input's gradient (B), keeping what W needs."""
-    code, kind = "B", "backward"
-
-
-class BackwardWeight(Instruction):
-    """W: accumulate the parameter gradients of micro-batch ``micro`` from what its B kept.
-    Backward work, so traced as such (the bubble counts it busy); drawn in its own colour."""
-    code, kind, part = "W", "backward", "weight"
-
-
-class SendAct(Instruction):
-    """Send the stage's output activation of ``micro`` to the next stage."""
-    code, kind = "SA", "send"
-
-
-class RecvAct(Instruction):
-    """Receive the input activation of ``micro`` from the previous stage."""
-    code, kind = "RA", "recv"
-
-
-class SendGrad(Instruction):
-    """Send the gradient of the stage's input of ``micro`` to the previous stage."""
-    code, kind = "SG", "send"
-
-
-class RecvGrad(Instruction):
-    """Receive the gradient of the stage's output of ``micro`` from the next stage."""
-    code, kind = "RG", "recv"
-
-
-class OptimizerStep(Instruction):
-    """Update the stage's parameters with the gradients summed over all micro-batches."""
-    code, kind = "OPT", "optimizer"
+from mpipar.parts.instructions import (  # noqa: F401 (the schedules' vocabulary, from here too)
+    Backward,
+    BackwardWeight,
+    Forward,
+    Instruction,
+    OptimizerStep,
+    RecvAct,
+    RecvGrad,
+    SendAct,
+    SendGrad,
+    _backward,
+    _check,
+    _forward,
+    holder,
+    neighbour,
+    piece_of,
+)
+from mpipar.parts.v_schedules import dualpipev, zb_v
 
 
 # ----------------------------------------------------------------------------- schedules
-def _forward(n_stages, stage, k, chunk=0, n_chunks=1):
-    """Receive the input (unless the first stage's first chunk), run forward, send the output
-    (unless the last stage's last chunk)."""
-    first, last = stage == 0 and chunk == 0, stage == n_stages - 1 and chunk == n_chunks - 1
-    return ([] if first else [RecvAct(k, chunk)]) + [Forward(k, chunk)] + \
-        ([] if last else [SendAct(k, chunk)])
-
-
-def _backward(n_stages, stage, k, chunk=0, n_chunks=1):
-    """Receive the output's gradient (unless the last stage's last chunk), run backward, send
-    the input's gradient (unless the first stage's first chunk)."""
-    first, last = stage == 0 and chunk == 0, stage == n_stages - 1 and chunk == n_chunks - 1
-    return ([] if last else [RecvGrad(k, chunk)]) + [Backward(k, chunk)] + \
-        ([] if first else [SendGrad(k, chunk)])
-
-
-def _check(n_stages, stage, n_micro):
-    if n_stages < 1 or not 0 <= stage < n_stages:
-        raise ValueError(f"stage {stage} is not one of {n_stages} stages")
-    if n_micro < 1:
-        raise ValueError(f"the number of micro-batches must be positive, got {n_micro}")
-
-
 def naive(n_stages, stage, n_micro):
     """One micro-batch at a time: forward through every stage, backward through every stage."""
     _check(n_stages, stage, n_micro)
@@ -237,8 +178,14 @@ def zb_h1(n_stages, stage, n_micro):
 
 SCHEDULES = {"naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b}  # the hybrid's too
 SPLIT = {"zb-h1": zb_h1}  # B and W apart: the pipeline's own stages (not the hybrid's)
+V_SHAPED = {"zb-v": zb_v, "dualpipev": dualpipev}  # two chunks a rank, placed in a V
 
-CHOICES = (*SCHEDULES, "interleaved", *SPLIT)  # interleaved also takes the model chunks
+CHOICES = (*SCHEDULES, "interleaved", *SPLIT, *V_SHAPED)  # interleaved, V: model chunks
+
+
+def placement_of(name):
+    """How the schedule ``name`` places its model chunks: "v" or "loop" (:func:`piece_of`)."""
+    return "v" if name in V_SHAPED else "loop"
 
 
 def stage_schedule(name, n_stages, stage, n_micro, n_chunks=1, warmup="production"):
@@ -248,6 +195,10 @@ def stage_schedule(name, n_stages, stage, n_micro, n_chunks=1, warmup="productio
         raise ValueError(f"unknown schedule {name!r}: choose one of {', '.join(CHOICES)}")
     if name == "interleaved":
         return interleaved(n_stages, stage, n_micro, n_chunks, warmup)
+    if name in V_SHAPED:
+        if n_chunks != 2:
+            raise ValueError(f"schedule {name} runs two model chunks per stage, not {n_chunks}")
+        return V_SHAPED[name](n_stages, stage, n_micro)
     if n_chunks != 1:
         raise ValueError(f"schedule {name} runs one model chunk per stage, not {n_chunks}")
     return {**SCHEDULES, **SPLIT}[name](n_stages, stage, n_micro)
@@ -264,10 +215,13 @@ def bubble_formula(n_stages, n_micro, name="gpipe", n_chunks=1):
     (p-1)/(v*m+p-1) for interleaved with v chunks. For zb-h1, F, B and W of equal times T:
     each stage idles (p-1)(TF+TB-TW) = (p-1)T of its m(TF+TB+TW) + (p-1)T, so (p-1)/(3m+p-1)
     for m >= p; with fewer micro-batches there are too few W's to fill the cool-down, and
-    p-m units more idle: (2p-m-1)/(2m+2p-1)."""
+    p-m units more idle: (2p-m-1)/(2m+2p-1). For the V-shaped schedules (zb-v, dualpipev) with
+    F, B and W equal and m >= 2p-1: (p-1)/(6m+p-1), the ramp alone."""
     p, m = n_stages, n_micro
     if name == "naive":
         return (p - 1) / p
+    if name in V_SHAPED:  # F, B, W equal, m >= 2p-1: the least step, 6m + p - 1 chunk-units
+        return (p - 1) / (6 * m + p - 1)
     if name in SPLIT:
         idle = (p - 1) + max(p - m, 0)
         return idle / (3 * m + idle)
@@ -324,7 +278,8 @@ class ScheduleError(Exception):
     """A schedule that would deadlock, mismatch a message, or run an instruction too early."""
 
 
-def simulate(lists, forward_cost=1.0, backward_cost=2.0, message_cost=0.0, weight_share=0.5):
+def simulate(lists, forward_cost=1.0, backward_cost=2.0, message_cost=0.0, weight_share=0.5,
+             placement="loop"):
     """Execute every stage's list against the others; return per stage [(ins, start, end)].
 
     A send does not hold up its sender (MPI's non-blocking send); a receive waits until its
@@ -336,9 +291,11 @@ def simulate(lists, forward_cost=1.0, backward_cost=2.0, message_cost=0.0, weigh
     same FLOPs, so F, B and W take equal times). With model chunks (interleaved 1F1B, v = 1 +
     the largest chunk in the lists) the activation of chunk c goes to chunk c of the next
     stage, and from the last stage to chunk c+1 of stage 0; gradients go the reverse way; a
-    cost is then that of one chunk. Raises :class:`ScheduleError` on a deadlock, a receive
-    matched to another micro-batch, an instruction without its input (a W before its B), or a
-    send nobody receives.
+    cost is then that of one chunk. ``placement`` "v" (the V-shaped schedules) routes as
+    :func:`holder` says, and a piece's output for the next piece on the same rank (or its
+    input's gradient for the previous one) is handed over without a message. Raises
+    :class:`ScheduleError` on a deadlock, a receive matched to another micro-batch, an
+    instruction without its input (a W before its B), or a send nobody receives.
     """
     n = len(lists)
     n_chunks = 1 + max((i.chunk for ins in lists for i in ins), default=0)
@@ -357,21 +314,19 @@ def simulate(lists, forward_cost=1.0, backward_cost=2.0, message_cost=0.0, weigh
     def channel(src, dst, what, chunk):
         return channels.setdefault((src, dst, what, chunk), deque())
 
-    def neighbour(s, c, step):
-        """The (stage, chunk) that holds the model piece ``step`` pieces after (s, c)."""
-        return divmod(c * n + s + step, n)[::-1]
-
     def step(s, ins):
         """Run ins on stage s if it can run now; return False if it must wait."""
         st, k, c, t = state[s], ins.micro, ins.chunk, clock[s]
-        first, last = s == 0 and c == 0, s == n - 1 and c == n_chunks - 1
+        before, after = (neighbour(placement, n, n_chunks, s, c, d) for d in (-1, 1))
+        first, last = before is None, after is None
         took = 0.0
         if isinstance(ins, (RecvAct, RecvGrad)):
             is_act = isinstance(ins, RecvAct)
-            (src, _), what = neighbour(s, c, -1 if is_act else 1), "act" if is_act else "grad"
-            if first if is_act else last:
+            src_at, what = before if is_act else after, "act" if is_act else "grad"
+            if src_at is None or src_at[0] == s:
                 side = "previous" if is_act else "next"
                 raise ScheduleError(f"stage {s}: {ins} has no {side} stage to receive from")
+            src = src_at[0]
             queue = channel(src, s, what, c)
             if not queue:
                 return False
@@ -386,6 +341,8 @@ def simulate(lists, forward_cost=1.0, backward_cost=2.0, message_cost=0.0, weigh
                 raise ScheduleError(f"stage {s}: {ins} without its input activation (or twice)")
             st["fwd"].add((k, c))
             took = cost(forward_cost, s, k)
+            if after is not None and after[0] == s:  # handed to this rank's next piece
+                st["act"].add((k, after[1]))
         elif isinstance(ins, Backward):
             if (k, c) in st["bwd"] or (k, c) not in st["fwd"] or \
                     (not last and (k, c) not in st["grad"]):
@@ -393,6 +350,8 @@ def simulate(lists, forward_cost=1.0, backward_cost=2.0, message_cost=0.0, weigh
                                     "gradient (or twice)")
             st["bwd"].add((k, c))
             took = cost(backward_cost, s, k) * (1 - weight_share if (k, c) in split[s] else 1)
+            if before is not None and before[0] == s:  # to this rank's previous piece
+                st["grad"].add((k, before[1]))
         elif isinstance(ins, BackwardWeight):
             if (k, c) in st["wgt"] or (k, c) not in st["bwd"]:
                 raise ScheduleError(f"stage {s}: {ins} before its B (or twice)")
@@ -400,14 +359,14 @@ def simulate(lists, forward_cost=1.0, backward_cost=2.0, message_cost=0.0, weigh
             took = cost(backward_cost, s, k) * weight_share
         elif isinstance(ins, (SendAct, SendGrad)):
             is_act = isinstance(ins, SendAct)
-            (dst, dc), what = neighbour(s, c, 1 if is_act else -1), "act" if is_act else "grad"
+            dst_at, what = after if is_act else before, "act" if is_act else "grad"
             need = "fwd" if is_act else "bwd"
-            if last if is_act else first:
+            if dst_at is None or dst_at[0] == s:
                 side = "next" if is_act else "previous"
                 raise ScheduleError(f"stage {s}: {ins} has no {side} stage to send to")
             if (k, c) not in st[need]:
                 raise ScheduleError(f"stage {s}: {ins} before the {need} that computes it")
-            channel(s, dst, what, dc).append((k, t + message_cost))
+            channel(s, dst_at[0], what, dst_at[1]).append((k, t + message_cost))
         elif isinstance(ins, OptimizerStep):
             if st["fwd"] != st["bwd"] or split[s] - st["wgt"]:
                 late = (st["fwd"] - st["bwd"]) | (split[s] - st["wgt"])
@@ -455,10 +414,13 @@ def format_schedule(name, n_stages, n_micro, n_chunks=1, warmup="production"):
     """Every stage's instruction list, and the simulated timeline (forward 1 unit, backward 2,
     per chunk; a split backward B 1 and W 1: the bubble share does not depend on the unit)."""
     lists = schedule(name, n_stages, n_micro, n_chunks, warmup)
-    timeline = simulate(lists)
-    chunked, split = name == "interleaved", name in SPLIT
+    timeline = simulate(lists, placement=placement_of(name))
+    chunked, split = name == "interleaved" or name in V_SHAPED, name in SPLIT or name in V_SHAPED
     lines = [f"schedule {name}: {n_stages} stages, {n_micro} micro-batches"
-             + (f", {n_chunks} model chunks per stage, {warmup} warm-up" if chunked else ""),
+             + (f", {n_chunks} model chunks per stage, {warmup} warm-up"
+                if name == "interleaved" else "")
+             + (", 2 model chunks per stage in a V (stage r holds pieces r and "
+                f"{2 * n_stages - 1}-r)" if name in V_SHAPED else ""),
              "  F/B forward/backward" + (" (B: the input's gradient only), W the weights' "
                                          "gradient" if split else "")
              + ", SA/RA send/receive activation, SG/RG send/receive "

@@ -14,9 +14,10 @@ import math
 from mpi4py import MPI
 
 from mpipar.engine import backend as B
+from mpipar.engine import precision
 from mpipar.mpi import comm
 from mpipar.parts.plan import DEFAULTS, activation_bytes, memory_bytes, tp_size_problem
-from mpipar.parts.schedules import CHOICES, SCHEDULES, SPLIT
+from mpipar.parts.schedules import CHOICES, SCHEDULES, SPLIT, V_SHAPED
 from mpipar.runner.flags import PROGS, common_flags, scheme_flags
 
 SCHEMES = ("serial", "data_parallel", "tensor_parallel", "pipeline", "hybrid", "expert_parallel",
@@ -208,7 +209,10 @@ FLAG_RULES = [
     (HY, lambda a: a.schedule not in SCHEDULES, "the hybrid runs --schedule " + ", ".join(
         SCHEDULES) + ", not {a.schedule!r}: its stages hold one model chunk (interleaved needs "
      "several) and its --overlap hooks each micro-batch's whole backward (zb-h1 splits it)"),
-    (PP, lambda a: a.schedule != "interleaved" and a.chunks != 1,
+    (PP, lambda a: a.schedule in V_SHAPED and a.chunks != 2,
+     "--schedule {a.schedule} places 2 model chunks on each rank in a V, not --chunks "
+     "{a.chunks}"),
+    (PP, lambda a: a.schedule != "interleaved" and a.schedule not in V_SHAPED and a.chunks != 1,
      "--chunks {a.chunks} needs --schedule interleaved ({a.schedule} runs one model chunk "
      "per rank)"),
     (PP, lambda a: a.chunks <= 0, "--chunks must be positive, got {a.chunks}"),
@@ -222,7 +226,10 @@ FLAG_RULES = [
     (PP, lambda a: a.micro_batches > a.batch_size,
      "--micro-batches {a.micro_batches} exceeds --batch-size {a.batch_size}: a micro-batch "
      "would be empty"),
-    (PP, lambda a: a.chunks > 1 and a.micro_batches % a.stages,
+    (PP, lambda a: a.schedule == "dualpipev" and a.micro_batches < 2 * a.stages,
+     "--schedule dualpipev needs at least 2 x {a.stages} = {a.stages2} micro-batches (its "
+     "phases fill both chunks of every stage), got --micro-batches {a.micro_batches}"),
+    (PP, lambda a: a.schedule == "interleaved" and a.micro_batches % a.stages,
      "--schedule interleaved needs --micro-batches ({a.micro_batches}) to be a multiple of the "
      "stages ({a.stages})"),
 ]
@@ -237,8 +244,9 @@ MODEL_RULES = [
     (PP + HY, lambda a, task: a.partition and _bad_partition(a, a.stages * a.chunks, task)),
     (PP, lambda a, task: a.chunks > 1 and a.stages * a.chunks > len(layer_names(task)) and (
         f"{a.stages} stages x {a.chunks} chunks = {a.stages * a.chunks} model pieces but the "
-        f"{a.model} model has only {len(layer_names(task))} layers: use fewer --chunks or ranks "
-        "(or a deeper model)")),
+        f"{a.model} model has only {len(layer_names(task))} layers: use "
+        + ("fewer ranks" if a.schedule in V_SHAPED else "fewer --chunks or ranks")
+        + " (or a deeper model)")),
     (PP + HY, lambda a, task: a.stages > len(layer_names(task)) and (
         f"{a.stages} pipeline stages but the {a.model} model has only {len(layer_names(task))} "
         f"layers ({', '.join(layer_names(task))}): each stage needs at least one layer, so run "
@@ -263,7 +271,7 @@ def parse_args(scheme, argv=None, n_ranks=None):
     a.bucket_mb = 25.0 if a.overlap and a.bucket_mb is None else a.bucket_mb  # DDP's default
     if a.backend == "cupy" and (problem := B.cupy_problem()):  # on every rank, before arrays
         comm.refuse(problem)
-    if a.precision == "bf16" and (problem := precision_problem()):
+    if a.precision == "bf16" and (problem := precision.bf16_problem()):
         comm.refuse(problem)
     B.use(a.backend, a.dtype)
     if a.precision != "fp32":
@@ -301,9 +309,12 @@ def complete(a, scheme, n):
     # the groups that take different rows: the hybrid's cp replicas of a stage share theirs
     a.data_groups = max((a.dp or 1) // max(a.cp, 1), 1) if scheme == "hybrid" else a.dp
     if scheme == "pipeline":
-        a.chunks = (2 if a.schedule == "interleaved" else 1) if a.chunks is None else a.chunks
+        a.chunks = (2 if a.schedule == "interleaved" or a.schedule in V_SHAPED else 1) \
+            if a.chunks is None else a.chunks
         a.stages = a.stages if a.print_schedule else n
-        a.micro_batches = 4 if a.micro_batches is None else a.micro_batches
+        a.stages2 = 2 * a.stages
+        if a.micro_batches is None:  # 4; dualpipev's least, 2 a stage, if that is more
+            a.micro_batches = max(4, a.stages2) if a.schedule == "dualpipev" else 4
     if scheme == "hybrid":
         a.stages = a.pp
         if a.micro_batches is None:  # 4, or fewer when a replica has fewer rows
@@ -313,16 +324,6 @@ def complete(a, scheme, n):
     a.replica = a.one_replica + "s"  # the words of the batch refusal
     a.rows_needed = (a.data_groups or 1) * a.micro_batches
     return a
-
-
-def precision_problem():
-    """Why bf16 cannot be stored here (ml_dtypes missing), or None."""
-    try:
-        import ml_dtypes  # noqa: F401
-    except ImportError:
-        return "--precision bf16 needs the ml_dtypes package for NumPy's bf16: pip install " \
-            "ml_dtypes"
-    return None
 
 
 def check_model(scheme, a, task):

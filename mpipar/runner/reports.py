@@ -14,7 +14,14 @@ from mpipar.engine import backend as B
 from mpipar.mpi import comm
 from mpipar.mpi.grid import Grid
 from mpipar.mpi.trace import TRACE, gantt, median_bubble, median_step, step_summary
-from mpipar.parts.schedules import SPLIT, bubble_formula, peak_in_flight
+from mpipar.parts.schedules import (
+    SPLIT,
+    V_SHAPED,
+    bubble_formula,
+    holder,
+    peak_in_flight,
+    placement_of,
+)
 from mpipar.runner import checkpoint
 from mpipar.runner.cli import layer_names
 
@@ -136,8 +143,9 @@ class PipelineReport(Report):
                 + (f", {self.trainer.warmup} warm-up" if a.schedule == "interleaved" else "")
                 + f", {a.micro_batches} micro-batches of {rows} rows, {self.training()}, "
                 f"{self.tail()}")
+        at = lambda x: holder(placement_of(a.schedule), p, x)  # noqa: E731
         where = (lambda x: f"stage {x} (rank {x})") if v == 1 else \
-            (lambda x: f"piece {x} (rank {x % p}, chunk {x // p})")
+            (lambda x: f"piece {x} (rank {at(x)[0]}, chunk {at(x)[1]})")
         return "\n".join([head] + stage_lines(a, self.task, self.trainer, where))
 
     def lines(self):
@@ -272,6 +280,8 @@ def formula_text(schedule, p, m, v):
     """How the pipeline's bubble formula reads for this schedule (its value follows)."""
     if schedule in SPLIT:
         return "(p-1)/(3m+p-1)" if m >= p else "(2p-m-1)/(2m+2p-1)"
+    if schedule in V_SHAPED:
+        return "(p-1)/(6m+p-1)"
     return "(p-1)/p" if schedule == "naive" else \
         "(p-1)/(m+p-1)" if v == 1 else "(p-1)/(v*m+p-1)"
 

@@ -69,10 +69,13 @@ def rel_err(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
 
 
-def train_and_compare(name, task, held, instructions, m, ref_losses, ref_params):
+def train_and_compare(name, task, held, instructions, m, ref_losses, ref_params,
+                      placement="loop"):
     """STEPS steps of this rank's part of the pipeline (``held``: one stage module, or the list
     of its chunks): every step's loss and, after them, every parameter equal the serial
-    trainer's. Returns the most activation bytes the part stashed at once."""
+    trainer's (the loss is on the last piece's rank: P-1, or 0 in a V). Returns the most
+    activation bytes the part stashed at once."""
+    last = 0 if placement == "v" else P - 1
     pieces = held if isinstance(held, list) else [held]
     opt = serial.make_optimizer(task.args, [p for piece in pieces for p in piece.parameters()])
     micro_rows = C.split_rows(task.args.batch_size, m)
@@ -82,10 +85,10 @@ def train_and_compare(name, task, held, instructions, m, ref_losses, ref_params)
         result = PP.run_pipeline(
             held, instructions, pp, micro_rows,
             inputs=PP.micro_batches(x, m) if r == 0 else None,
-            targets=PP.micro_batches(y, m) if r == P - 1 else None,
-            loss_fn=task.loss_fn, normalizer=y.size, optimizer=opt)
+            targets=PP.micro_batches(y, m) if r == last else None,
+            loss_fn=task.loss_fn, normalizer=y.size, optimizer=opt, placement=placement)
         peak = max(peak, result.peak_stash_bytes)
-        if r == P - 1:
+        if r == last:
             assert abs(result.loss - ref_losses[step]) <= 1e-10 * abs(ref_losses[step]), \
                 (name, step, result.loss, ref_losses[step])
         assert sum(piece.cached_bytes() for piece in pieces) == 0, \
@@ -97,9 +100,9 @@ def train_and_compare(name, task, held, instructions, m, ref_losses, ref_params)
     return peak
 
 
-def check_gathered(name, held, ref_params):
+def check_gathered(name, held, ref_params, placement="loop"):
     """The whole model gathered to rank 0 is the serial one, under the serial names, in order."""
-    full = PP.gather_params(held, pp)
+    full = PP.gather_params(held, pp, placement=placement)
     if r == 0:
         assert list(full) == list(ref_params), (list(full), list(ref_params))
         for pname, value in full.items():
@@ -155,6 +158,21 @@ def check_interleaved(task, ref_losses, ref_params, m, v=2, warmup="production")
             want = max(want, held)
         assert peak == want > 0, f"{name}: rank {r} stashed {peak} bytes, schedule predicts {want}"
     check_gathered(name, chunks, ref_params)
+
+
+def check_v_shaped(task, ref_losses, ref_params, m, schedule):
+    """ZB-V and DualPipeV: the model in 2P pieces, rank r holding pieces r and 2P-1-r; equal to
+    the serial trainer, and bit for bit 1F1B's parameters: every layer adds the micro-batches'
+    gradients in the same order (0 to m-1) from the same activations."""
+    name = f"{task.kind} {schedule} m={m}"
+    counts, _ = plan.plan_stages(task, 2 * P, m)
+    bounds = plan.stage_bounds(counts)
+    chunks = [PP.build_stage(task.build_model(), bounds[x], task.args.seed)
+              for x in (r, 2 * P - 1 - r)]
+    train_and_compare(name, task, chunks, stage_schedule(schedule, P, r, m, 2), m, ref_losses,
+                      ref_params, placement="v")
+    check_gathered(name, chunks, ref_params, placement="v")
+    return PP.gather_params(chunks, pp, placement="v")  # the whole model on rank 0
 
 
 def check_partition():
@@ -240,4 +258,11 @@ if P in (2, 4):
         for m in (4, 8):
             for warmup in ("production", "lean"):
                 check_interleaved(task, ref_losses, ref_params, m, warmup=warmup)
+        for m in sorted({2 * P, 2 * P + 1, 3 * P}):
+            v_params = [check_v_shaped(task, ref_losses, ref_params, m, name)
+                        for name in ("zb-v", "dualpipev")]
+            one_f = PP.gather_params(check(task, ref_losses, ref_params, "1f1b", m), pp)
+            for got in v_params if r == 0 else []:  # the same bits as 1F1B's, every layer
+                assert all(np.array_equal(got[n], one_f[n]) for n in one_f), (task.kind, m)
+        check_v_shaped(task, ref_losses, ref_params, 2 * P - 1, "zb-v")  # fewer than 2P
 C.log(f"pp checks passed on {P} ranks")
