@@ -28,8 +28,10 @@ Each picture runs the real function it shows and draws what that function did:
    against fp16's range, without a loss scale and with 2^16 (and bf16's, which holds them all).
 10. ``warmup.png``: the interleaved schedule's production and lean warm-ups, simulated for a
     range of message latencies: the bubble of each, and each stage's stash.
+11. ``v_schedules.png``: ZB-V and DualPipeV (two chunks a stage, in a V) beside 1F1B and
+    ZB-H1 on 4 stages and 8 micro-batches, as ``schedules.png`` draws them.
 
-Pictures 1-4 live in :mod:`mpipar.tools.figures.collectives`, 5-6 and 10 in
+Pictures 1-4 live in :mod:`mpipar.tools.figures.collectives`, 5-6, 10 and 11 in
 :mod:`mpipar.tools.figures.layouts`, 7 in :mod:`mpipar.tools.figures.experts`, 8 in
 :mod:`mpipar.tools.figures.context`, 9 in :mod:`mpipar.tools.figures.precision`, the stand-ins and
 shared settings in :mod:`mpipar.tools.figures.draw`. Each figure function returns the data it
@@ -61,7 +63,7 @@ def figures():
             "megatron_mlp": C.megatron_figure, "vocab_cross_entropy": C.cross_entropy_figure,
             "schedules": L.schedules_figure, "grid": L.grid_figure, "dispatch": X.dispatch_figure,
             "context_ring": R.ring_figure, "precision_ranges": P.precision_figure,
-            "warmup": L.warmup_figure}
+            "warmup": L.warmup_figure, "v_schedules": L.v_schedules_figure}
 
 
 def digest(data):

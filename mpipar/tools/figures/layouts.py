@@ -5,26 +5,28 @@ from mpipar.tools.figures.draw import PART_COLORS, RANK_COLORS, SplitRecorder, p
 
 # ----------------------------------------------------------------------------- 5. schedules
 SCHEDULE_CASES = [("naive", 1), ("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
+V_CASES = [("1f1b", 1), ("zb-h1", 1), ("zb-v", 2), ("dualpipev", 2)]  # 11. on 8 micro-batches
 
 
 def schedule_cells(name, p=4, m=4, v=1):
     """Each stage's compute cells (code, micro-batch, chunk, start, end) as
     :func:`~mpipar.parts.schedules.simulate` times ``schedule(name, ...)``: forward 1 unit,
     backward 2 (B 1 + W 1 where split), a chunk's costs 1/v of that, so the spans compare."""
-    from mpipar.parts.schedules import schedule, simulate
+    from mpipar.parts.schedules import placement_of, schedule, simulate
 
-    timeline = simulate(schedule(name, p, m, v), forward_cost=1 / v, backward_cost=2 / v)
+    timeline = simulate(schedule(name, p, m, v), forward_cost=1 / v, backward_cost=2 / v,
+                        placement=placement_of(name))
     return [[(ins.code, ins.micro, ins.chunk, rounded(t0), rounded(t1))
              for ins, t0, t1 in events if ins.code in PART_COLORS] for events in timeline]
 
 
-def schedules_run(p=4, m=4):
-    """Per schedule of SCHEDULE_CASES: its cells, the bubble formula, the idle share drawn."""
+def schedules_run(p=4, m=4, cases=SCHEDULE_CASES):
+    """Per schedule of ``cases``: its cells, the bubble formula, the idle share drawn."""
     from mpipar.parts.schedules import bubble_formula
 
     data = {name: dict(v=v, cells=schedule_cells(name, p, m, v),
                        bubble=rounded(bubble_formula(p, m, name, v)))
-            for name, v in SCHEDULE_CASES}
+            for name, v in cases}
     for d in data.values():  # the idle share of the grid as drawn: 1 - busy / (p * span)
         cells = [c for row in d["cells"] for c in row]
         span = max(c[4] for c in cells) - min(c[3] for c in cells)
@@ -32,10 +34,10 @@ def schedules_run(p=4, m=4):
     return data
 
 
-def schedules_figure(path, p=4, m=4):
-    """Every schedule of SCHEDULE_CASES as a grid of its simulated compute cells, one row per
+def schedules_figure(path, p=4, m=4, cases=SCHEDULE_CASES):
+    """Every schedule of ``cases`` as a grid of its simulated compute cells, one row per
     stage, on one time axis."""
-    data = schedules_run(p, m)
+    data = schedules_run(p, m, cases)
     end = max(c[4] for d in data.values() for row in d["cells"] for c in row)
     plt = pyplot()
     fig, axes = plt.subplots(len(data), 1, figsize=(14, 1.2 + 1.25 * len(data)), sharex=True)
@@ -49,6 +51,8 @@ def schedules_figure(path, p=4, m=4):
         ax.set_yticks(range(p), [f"stage {s}" for s in range(p)], fontsize=7)
         ax.set_ylim(p - 0.5, -0.5)
         chunks = f", v = {d['v']} chunks (lighter: chunk 1)" if d["v"] > 1 else ""
+        chunks += ", in a V: stage r holds pieces r and 2p-1-r" if name in ("zb-v", "dualpipev") \
+            else ""
         ax.set_title(f"{name}{chunks}: idle share {d['drawn_bubble']:.3f} "
                      f"(formula {d['bubble']:.3f})", fontsize=9, loc="left")
     axes[-1].set_xlim(0, end)
@@ -63,6 +67,12 @@ def schedules_figure(path, p=4, m=4):
     fig.tight_layout(rect=(0, 0.03, 1, 1))
     save(fig, path)
     return data
+
+
+def v_schedules_figure(path):
+    """The V-shaped schedules beside 1F1B and ZB-H1 on 4 stages and 8 micro-batches (DualPipeV
+    needs 2p of them)."""
+    return schedules_figure(path, 4, 8, V_CASES)
 
 
 # ----------------------------------------------------------------------------- 10. warm-ups
