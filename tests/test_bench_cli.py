@@ -14,7 +14,7 @@ from conftest import MPI_SCRIPTS, ROOT
 
 from mpipar.tools import report
 from mpipar.tools.bench import __main__ as bench_cli
-from mpipar.tools.bench import common, engine, link, net
+from mpipar.tools.bench import common, engine, link, net, warmup
 from mpipar.tools.bench.common import cores
 from mpipar.tools.bench.tp import HIDDEN
 
@@ -180,7 +180,8 @@ def nothing_runs(monkeypatch):
         if hasattr(module, "run_ranks"):
             monkeypatch.setattr(module, "run_ranks", launched)
     for module, name in ((net, "measure_alpha_beta"), (net, "measure_gamma"),
-                         (engine, "measure"), (link, "drive"), (link, "pingpong")):
+                         (engine, "measure"), (link, "drive"), (link, "pingpong"),
+                         (warmup, "run")):
         monkeypatch.setattr(module, name, launched)
 
 
@@ -210,7 +211,8 @@ NOT_COUNTS = [("ckpt", "--repeats", "0"), ("dp", "--rounds", "-1"), ("engine", "
               ("link", "--rounds", "abc"), ("memory", "--steps", "0"),
               ("memory", "--rounds", "1.5"), ("overhead", "--rounds", "0"), ("pp", "--steps", "0"),
               ("pp", "--rows", "-64"), ("pp_wide", "--rows", "0"), ("tp", "--repeats", "0"),
-              ("wait", "--rounds", "0"), ("wait", "--steps", "-1")]
+              ("wait", "--rounds", "0"), ("wait", "--steps", "-1"), ("warmup", "--launches", "0"),
+              ("warmup", "--steps", "1.5")]
 BAD_FLAGS = {
     **{f"{name} {flag} {value!r}": (name, [flag, value], not_a_number(flag, value))
        for name, flag, value in NOT_COUNTS},
@@ -226,6 +228,7 @@ BAD_FLAGS = {
        for value in ("48", "0", "64,,128")},
     "link --rates fast": ("link", ["--rates", "1gbit,fast"], "--rates 'fast' is not a rate"),
     "link --rates ''": ("link", ["--rates", ""], "--rates '' is not a rate"),
+    "warmup --rates fast": ("warmup", ["--rates", "none,fast"], "--rates 'fast' is not a rate"),
     "ckpt --scheme": ("ckpt", ["--scheme", "hybrid"],
                       "argument --scheme: invalid choice: 'hybrid'"),
     "memory --experiment": ("memory", ["--experiment", "x"],

@@ -37,7 +37,7 @@ from mpipar.tools.bench.common import (  # noqa: E402 (after the thread settings
 )
 from mpipar.tools.bench.common import csv_float as _f  # noqa: E402
 from mpipar.tools.report_gpu import gpu_section  # noqa: E402
-from mpipar.tools.report_link import link_section  # noqa: E402
+from mpipar.tools.report_link import link_section, warmup_section  # noqa: E402
 from mpipar.tools.report_speed import speed_section  # noqa: E402
 from mpipar.tools.report_text import write_report  # noqa: E402 (the text of REPORT.md, by section)
 from mpipar.tools.validate import (  # noqa: E402
@@ -47,8 +47,9 @@ from mpipar.tools.validate import (  # noqa: E402
 )
 
 # bench wait (about 4 minutes) is run on its own; its section reads the CSV it left in plots/.
-# bench link (about 5 minutes) runs after these when this machine can emulate hosts (root,
-# network namespaces: run_link); otherwise its section keeps the committed link.csv
+# bench link (about 5 minutes) and bench warmup (under a minute) run after these when this
+# machine can emulate hosts (root, network namespaces: run_link); otherwise their sections keep
+# the committed link.csv and warmup.csv
 BENCHES = ["engine", "overhead", "flops", "net", "dp", "tp", "pp", "pp_wide", "hybrid", "experts",
            "context", "precision", "ckpt", "memory"]
 
@@ -80,7 +81,7 @@ def run_link(quick, times):
     reason = cluster.unavailable()
     if reason:
         return f"Not measured by this run ({reason}): the numbers of an earlier link.csv."
-    times.update(run_benchmarks(quick, ["link"], desc="bench link"))
+    times.update(run_benchmarks(quick, ["link", "warmup"], desc="bench link, warmup"))
     return None
 
 
@@ -270,8 +271,8 @@ def main(argv=None):
     if (PLOTS / "hybrid.csv").exists():
         plot_memory(PLOTS / "memory.png")
     path = write_report(validation, extrapolation, bench_times,
-                        headlines.section(headline_rows), speed_section(), link_section(link_note),
-                        gpu_section())
+                        headlines.section(headline_rows), speed_section(),
+                        link_section(link_note) + warmup_section(), gpu_section())
     fair = [r for r in validation if not r["oversubscribed"]]
     print(f"cost model within 20%: {sum(abs(r['error']) <= 0.2 for r in fair)} of {len(fair)} "
           f"configurations with a core per rank, {sum(abs(r['error']) <= 0.2 for r in validation)}"

@@ -260,3 +260,42 @@ def link_section(note=None, folder=PLOTS):
         "",
         *_schemes(rows),
     ]
+
+
+def warmup_section(folder=PLOTS):
+    """The interleaved schedule's two warm-ups across the link (warmup.csv, ``bench warmup``):
+    per rate, each warm-up's median bubble and the spread over the launches; [] without it."""
+    import statistics
+
+    rows = csv_rows(folder, "warmup.csv")
+    if not rows:
+        return []
+    rates = list(dict.fromkeys(r["rate"] for r in rows))
+
+    def got(rate, warmup):
+        values = sorted(_f(r, "bubble") for r in rows
+                        if r["rate"] == rate and r["warmup"] == warmup)
+        return f"{statistics.median(values):.3f} ({values[0]:.3f}-{values[-1]:.3f})"
+
+    stash = {w: next(r["stash"] for r in rows if r["warmup"] == w) for w in ("production", "lean")}
+    launches = max(int(r["launch"]) for r in rows)
+    return [
+        "## The interleaved warm-ups across the link",
+        "",
+        "![warm-ups](warmup.png)",
+        "",
+        "`python -m mpipar.tools.bench warmup` (root, as bench link) runs the GPT's interleaved "
+        "1F1B on 2 emulated hosts, one stage each, 2 chunks and 8 micro-batches, with "
+        "`--warmup production` and `--warmup lean` at each rate, " + f"{launches} launches "
+        "(`warmup.csv`; the bubble each run measures from its trace, median over the "
+        "launches and their range; varies). " + "; ".join(
+            f"{rate}: production {got(rate, 'production')}, lean {got(rate, 'lean')}"
+            for rate in rates) + ". A slower link makes each message arrive later, and the "
+        "lean list, whose steady-state steps each wait for the message just sent, loses more "
+        "to it than the production list, which sent it one step earlier "
+        "(`lessons/figures/warmup.png` replays both at latencies 0 to 1 chunk-forward). The "
+        f"production warm-up holds more: stash per stage {stash['production']} against "
+        f"{stash['lean']}. With only 2 stages the warm-ups differ by one chunk-forward on "
+        "stage 0, so the gap is small until the message costs a good part of a forward.",
+        "",
+    ]

@@ -1,6 +1,6 @@
 """python -m mpipar.tools.bench NAME (engine, flops, net, dp, pp, pp_wide, tp, hybrid, experts,
-context, precision, ckpt, memory, overhead, link, wait): run one benchmark, write its CSV and
-pictures into --out DIR (default: a scratch folder; --out plots replaces the committed
+context, precision, ckpt, memory, overhead, link, warmup, wait): run one benchmark, write its
+CSV and pictures into --out DIR (default: a scratch folder; --out plots replaces the committed
 results, as make report does). Flags given beside --quick win over its shorter defaults."""
 
 import argparse
@@ -26,6 +26,7 @@ BENCHES = {
     "memory": "bytes each rank holds (the memory ledger) and step time: ZeRO 0-3, recomputation",
     "overhead": "the comm wrapper against raw mpi4py, the engine against bare NumPy (16-128 rows)",
     "link": "across an emulated cluster's link (root): ping-pong and data-parallel step time",
+    "warmup": "the interleaved schedule's two warm-ups across an emulated link (root): bubble",
     "wait": "4 ranks on 2 cores: each waiting strategy per scheme; the main job on 4 against 2",
 }
 
