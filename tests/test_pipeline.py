@@ -186,3 +186,18 @@ def test_v_shaped_command_line_matches_serial(mpirun, tmp_path, capsys, schedule
     assert re.search(r"piece 3 \(rank 0, chunk 1\): ", out), out
     assert re.search(r"bubble measured from the trace 0\.\d+ .*\(p-1\)/\(6m\+p-1\) = 0\.040",
                      out), out
+
+
+def test_a_v_shaped_checkpoint_resumes_as_1f1b_bit_for_bit(mpirun, tmp_path):
+    """3 steps of ZB-V (4 pieces in a V), a checkpoint, 3 more as 1F1B (2 pieces): the bits of
+    6 steps of 1F1B, since every layer adds its micro-batches' gradients in the same order."""
+    from mpipar import train
+
+    at = MLP.index("--steps")
+    flags = [*MLP[:at], *MLP[at + 2:], "--timeline", "none"]  # MLP without its --steps
+    run = lambda *more: mpirun(2, ["-m", "mpipar.pipeline", *flags, *more])  # noqa: E731
+    run("--schedule", "zb-v", "--steps", "3", "--checkpoint", tmp_path / "ck")
+    run("--steps", "6", "--resume", tmp_path / "ck", "--save-params", tmp_path / "a.npz")
+    run("--steps", "6", "--save-params", tmp_path / "b.npz")
+    got, want = train.load_params(tmp_path / "a.npz"), train.load_params(tmp_path / "b.npz")
+    assert sorted(got) == sorted(want) and all((got[k] == want[k]).all() for k in want)
