@@ -252,3 +252,14 @@ def test_command_runs(lesson, command, shown, tmp_path):
         assert output_matches(["...", *(x for line in want for x in (line, "..."))], printed), \
             "the lesson shows, as a short run prints them, these lines in this order:\n" + \
             "\n".join(want) + f"\n\n`{cmd}` printed:\n" + proc.stdout
+
+
+def test_a_shortened_command_shows_the_full_run_s_lines():
+    """A training command the test shortens runs its default steps for a learner: its shown
+    lines must be that run's (``steps 2..250``), not the test's short run's (``steps 2..3``,
+    ``3 steps``), which the test reads them as by itself."""
+    short = re.compile(rf"\bsteps \d+\.\.{SHORT_STEPS}\b|\b{SHORT_STEPS} steps\b")
+    slips = [(lesson, line) for lesson, command, shown in (c.values for c in commands())
+             if short_flags(command).startswith("--steps")
+             for line in shown if short.search(line)]
+    assert not slips, slips

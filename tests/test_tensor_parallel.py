@@ -51,7 +51,10 @@ def test_command_line_matches_serial_with_synchronous_sends(mpirun, tmp_path, ca
 @pytest.mark.parametrize("bad, message", [
     (["--model", "gpt", "--d-model", "12", "--n-heads", "6"],
      "the head count --n-heads 6 is not divisible by the 4 tensor-parallel ranks; "
-     "rank counts that divide it: 1, 2, 3, 6"),
+     "rank counts that divide it: 1, 2, 3, 6 (or make it 4 or 12 for 4 ranks)"),
+    (["--model", "gpt", "--d-model", "18", "--n-heads", "6"],  # 9 and 18 ranks would not split
+     "--d-model 18 is not divisible by the 4 tensor-parallel ranks; rank counts that divide "
+     "it: 1, 2, 3, 6 (or make it 12 or 24 for 4 ranks)"),  # the 6 heads
 ])
 def test_bad_sizes_are_refused_on_every_rank(bad, message):
     assert_refused(4, "tensor_parallel", bad, message)

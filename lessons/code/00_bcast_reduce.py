@@ -3,9 +3,11 @@
 Lesson 0, part 4: Bcast and Reduce written by hand from Send and Recv, two ways each.
 
 Linear: the root sends to (or receives from) every other rank in turn: p - 1 rounds.
-Binomial tree: in round k, every rank that has the data sends it 2**k ranks further, so the
-number of ranks that have it doubles each round: ceil(log2 p) rounds. Reduce is the same tree
-run backwards, adding on the way. Each is checked against MPI's own Bcast and Reduce.
+Binomial tree: the root first sends half-way round (to the rank 2**(ceil(log2 p) - 1) away),
+and in each later round every rank that has the data sends it half as far as the round
+before, so the number of ranks that have it doubles each round: ceil(log2 p) rounds. Reduce
+is the same tree run backwards, adding on the way: the nearest partners first. Each is
+checked against MPI's own Bcast and Reduce.
 """
 
 import numpy as np
@@ -124,6 +126,12 @@ times = {
     "reduce MPI": timed(comm.Reduce, mine, np.zeros(n)),
 }
 
+for key, (got, _) in results.items():  # every rank checks, before anything is printed
+    if key.startswith("bcast"):
+        assert np.array_equal(got, want_bcast), key
+    elif rank == 0:
+        assert np.array_equal(got, want_reduce), key
+
 if rank == 0:
     print(f"{p} ranks, {n * 8:,} bytes")
     for key, (_, counts) in results.items():
@@ -132,12 +140,7 @@ if rank == 0:
     for key, t in times.items():
         print(f"{key:<14} {t * 1e3:8.2f} ms")
 
-# -- the checks
-for key, (got, _) in results.items():
-    if key.startswith("bcast"):
-        assert np.array_equal(got, want_bcast), key
-    elif rank == 0:
-        assert np.array_equal(got, want_reduce), key
+# -- the checks: the counts (the values are checked before the printout says they are equal)
 if rank == 0:
     for key, (_, counts) in results.items():
         assert sum(counts) == p - 1, key  # every rank but the root gets (gives) the data once

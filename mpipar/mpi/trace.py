@@ -97,10 +97,11 @@ def gantt(per_rank, path, title="", kinds_colors=None, row_label="stage", ax=Non
             x0, w = (t0 - t_zero) * 1e3, (t1 - t0) * 1e3
             ax.barh(r, w, left=x0, height=0.8, color=colors[shade(kind, info)],
                     edgecolor="black", linewidth=0.4)
-            size = font_size(str(info["micro"]), w) if "micro" in info else None
-            unlabelled += "micro" in info and size is None
+            micro = info.get("micro")  # None for the optimizer step: no number to write
+            size = font_size(str(micro), w) if micro is not None else None
+            unlabelled += micro is not None and size is None
             if size:
-                ax.text(x0 + w / 2, r, str(info["micro"]), ha="center", va="center",
+                ax.text(x0 + w / 2, r, str(micro), ha="center", va="center",
                         fontsize=size, color="white")
     ax.set_yticks(range(len(per_rank)))
     ax.set_yticklabels([f"{row_label} {r}" for r in range(len(per_rank))])

@@ -163,17 +163,24 @@ def _divisors(n):
 def tp_size_problem(a, t, vocab=None):
     """Why this model cannot be split over t tensor-parallel ranks (one sentence), or None.
     The vocabulary is split into near-equal blocks, so it only needs at least t entries."""
-    def not_divisible(what, n):
-        near = sorted({max(t, n - n % t), n - n % t + t})
+    def not_divisible(what, n, fits=lambda v: True, ranks=None):
+        """``fits``: what else a value must satisfy, ``ranks`` the rank counts that divide it
+        and everything else: only what runs is named."""
+        ok = lambda v: v % t == 0 and fits(v)  # noqa: E731
+        below = next((v for v in range(n - 1, 0, -1) if ok(v)), None)
+        above = next((v for v in range(n + 1, 4 * n + 4 * t) if ok(v)), None)
+        near = [v for v in (below, above) if v is not None]
         return (f"{what} {n} is not divisible by the {t} tensor-parallel ranks; rank counts "
-                f"that divide it: {', '.join(map(str, _divisors(n)))} (or make it "
-                f"{' or '.join(map(str, near))} for {t} ranks)")
+                f"that divide it: {', '.join(map(str, _divisors(ranks or n)))}"
+                + (f" (or make it {' or '.join(map(str, near))} for {t} ranks)" if near else ""))
 
     if a.model == "gpt":
-        if a.d_model % t:
-            return not_divisible("the hidden size --d-model", a.d_model)
-        if a.n_heads % t:
-            return not_divisible("the head count --n-heads", a.n_heads)
+        if a.d_model % t:  # a head count must still divide it
+            return not_divisible("the hidden size --d-model", a.d_model,
+                                 lambda v: v % a.n_heads == 0, math.gcd(a.d_model, a.n_heads))
+        if a.n_heads % t:  # and it must divide the hidden size
+            return not_divisible("the head count --n-heads", a.n_heads,
+                                 lambda v: a.d_model % v == 0)
         if vocab is not None and vocab < t:
             return (f"the vocabulary has {vocab} entries, fewer than the {t} tensor-parallel "
                     f"ranks; use at most {vocab} ranks")

@@ -498,7 +498,7 @@ def main(argv=None):
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     count, rate, cost = number(int), number(float), number(float, zero_ok=True)
     ap.add_argument("--preset", choices=["gpt3"], help="a published model instead of the flags")
-    ap.add_argument("--vocab", type=count, default=96)
+    ap.add_argument("--vocab", type=count, default=94)  # the corpus's characters
     ap.add_argument("--d-model", type=count, default=64)
     ap.add_argument("--n-heads", type=count, default=4)
     ap.add_argument("--n-layers", type=count, default=2)

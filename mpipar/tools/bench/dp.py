@@ -9,7 +9,8 @@ BLAS thread per rank. Every replica still zeroes its gradients and runs the whol
 update (about 4 ms here, whatever P), so by Amdahl's law P = 2 reaches 1.8x only when a
 step's compute C is above about 68 ms
 ((C + 4) / (C/2 + 4 + 2 ms exposed communication) >= 1.8; batch 512 gives 53 ms). Trained by
-:class:`mpipar.data_parallel.DataParallel` on P = 1, 2 and 4 ranks (4 ranks on 2 cores are
+the trainers of :mod:`mpipar.data_parallel` (``MasterScheme``, ``AllreduceScheme``,
+``ZeroScheme``) on P = 1, 2 and 4 ranks (4 ranks on 2 cores are
 oversubscribed and marked so) in five modes: master (the seed's Reduce + Bcast), allreduce,
 ring, allreduce with 2 MiB buckets and overlap, and ZeRO-1.
 
