@@ -78,6 +78,22 @@ def test_a_one_element_mistake_is_named(tmp_path):
     assert line.startswith("FAILED: first mismatching parameter "), line
 
 
+def test_everyone_sends_then_receives_is_a_deadlock_named_with_its_rank_and_call(tmp_path):
+    """A ring whose ranks all Send before they Recv passes wherever MPI buffers small
+    messages; the grader runs every exercise with synchronous sends (MPIPAR_SSEND=1), so it
+    hangs, and the watchdog names a rank and the call it waits in within seconds."""
+    right = (
+        "        dp_comm.Sendrecv(send, right, got, left,\n"
+        "                         what=f\"{what}: ring reduce-scatter step {k + 1}, chunk "
+        "{(r - k) % p} \"\n"
+        "                              f\"out, {(r - k - 1) % p} in\")\n")
+    wrong = ("        dp_comm.Send(send, right)  # everyone sends, then receives\n"
+             "        dp_comm.Recv(got, left)\n")
+    line = graded_with(tmp_path, "ring-allreduce", right, wrong)
+    assert line.startswith("FAILED: deadlock: [rank "), line
+    assert "watchdog: waited" in line and "in Send" in line, line
+
+
 def test_a_dispatch_that_reads_the_arrivals_in_the_wrong_order_is_caught(tmp_path):
     """The reference dispatch with each expert's rows looked up expert by expert over all the
     sources, instead of source by source: with 2 experts a rank its experts run on each

@@ -18,6 +18,11 @@ bodies in DIR; the rest of the copy is the reference and does not change.
 2. then the existing tests named for the exercise (for example the exact 1F1B instruction
    lists: a schedule that trains correctly in the wrong order is still wrong), run by pytest.
 An exercise passes when both pass. The exit code is the number of exercises that failed.
+Every run is made with synchronous sends (``MPIPAR_SSEND=1``: a send completes only when its
+receive has started, so "every rank sends, then receives" hangs here as it would with large
+messages) and a watchdog of ``WATCHDOG`` seconds per MPI call (``--timeout``): a deadlock
+ends within seconds, named by the rank and the call it waits in. A failed test shows its
+whole assertion; a failed run its first error, without the ``[rank N]`` prefixes.
 
 Each exercise is graded on its own: its checks run in a scratch copy of DIR in which the
 functions of every other exercise are the reference's (those of the project the grader runs
@@ -44,6 +49,7 @@ from mpipar.tools.bench.common import OneLineParser, folder_problem, mpirun_path
 ROOT = Path(__file__).resolve().parents[2]
 COPIED = ("mpipar", "tests", "lessons", "setup.cfg", "pyproject.toml", "Makefile", "README.md")
 TOLERANCE = 1e-10
+WATCHDOG = 20  # seconds one MPI call may wait in a graded run before the job ends, named
 NOTHING_SAVED = "exit code 0, and no parameters saved"  # a training run that sys.exit(0) ended
 
 MLP = ["--model", "mlp", "--sizes", "64,16,16,16,10", "--batch-size", "12", "--steps", "3"]
@@ -230,7 +236,8 @@ def write_copy(target):
 # ----------------------------------------------------------------------------- grade
 def run(cmd, copy, timeout=180):
     """``cmd`` in the copy, which must import its own mpipar (not this one)."""
-    env = dict(os.environ, PYTHONPATH=str(copy), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(copy), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+               MPIPAR_SSEND="1")  # a send completes only when received: no hidden buffering
     try:
         return subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True,
                               timeout=timeout)
@@ -241,8 +248,14 @@ def run(cmd, copy, timeout=180):
 def why(proc):
     """The line that says why a run failed: the exception (``NotImplementedError``: "not
     written yet"; ``SystemExit``: the code exited), a refusal, a failed test's assertion, else
-    the last line of output."""
-    lines = [line.strip() for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
+    the last line of output. A rank's lines lose their ``[rank N]`` prefix, except the
+    watchdog's, which names the rank and the call it waited in (a deadlock)."""
+    text = proc.stderr + proc.stdout
+    hung = re.search(r"\[rank \d+\] watchdog: waited .*", text)
+    if hung:
+        return f"deadlock: {hung[0].strip()}"
+    lines = [re.sub(r"^\[rank \d+(, [^\]]*)?\]\s*", "", line).strip() for line in text.splitlines()]
+    lines = [line for line in lines if line and not line.startswith("Traceback")]
     if any(line.startswith("NotImplementedError") for line in lines):
         return "not written yet (NotImplementedError)"
     exits = [m[0] for line in lines if (m := re.search(r"\bSystemExit\b.*$", line))]
@@ -309,7 +322,8 @@ def check_training(ex, folder, scratch):
     shared = [*ex.model, "--dtype", "float64", "--quiet"]
     saved = scratch / f"{ex.name}.npz"
     proc = run([mpirun_path(), "-n", str(ex.ranks), sys.executable, "-m", f"mpipar.{ex.scheme}",
-                *ex.flags, *shared, "--save-params", str(saved)], folder)
+                *ex.flags, *shared, "--timeout", str(WATCHDOG), "--save-params", str(saved)],
+               folder)
     if proc.returncode != 0 or not saved.exists():  # exit code 0 and nothing saved: sys.exit(0)
         return why(proc) if proc.returncode != 0 else exited(NOTHING_SAVED)
     serial = scratch / f"serial-{'-'.join(ex.model)}.npz"  # exercises of one model share it
@@ -328,7 +342,10 @@ def check_tests(ex, folder):
         return None
     proc = run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                 *ex.tests], folder, timeout=300)
-    return None if proc.returncode == 0 else f"{ex.tests[0].split('::')[-1]}: {why(proc)}"
+    if proc.returncode == 0:
+        return None
+    diff = [line[1:].rstrip() for line in proc.stdout.splitlines() if line.startswith("E ")]
+    return f"{ex.tests[0].split('::')[-1]}: " + ("\n".join(diff) if len(diff) > 1 else why(proc))
 
 
 def grade(copy, names=()):
@@ -350,6 +367,11 @@ def grade(copy, names=()):
             print(f"{ex.name:16s} {'passed' if problem is None else 'FAILED: ' + problem}",
                   flush=True)
     print(f"{len(exercises) - failed} of {len(exercises)} exercises passed")
+    if failed:
+        ex = next(e for e in exercises if e.ranks)
+        print(f"to run your copy yourself: cd {copy} && mpirun -n {ex.ranks} python -m "
+              f"mpipar.{ex.scheme} {' '.join(ex.flags + ex.model)} --explain (each MPI call "
+              f"narrated), with MPIPAR_SSEND=1 and --timeout {WATCHDOG} as the grader runs it")
     return failed
 
 
