@@ -18,7 +18,8 @@ def grade(copy, *names):
                            *names],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     lines = dict(line.split(None, 1) for line in proc.stdout.splitlines()
-                 if line.split(None, 1)[0] in {ex.name for ex in student.EXERCISES})
+                 if line[:1].strip() and line.split(None, 1)[0] in
+                 {ex.name for ex in student.EXERCISES})
     return proc, lines
 
 
@@ -92,6 +93,19 @@ def test_everyone_sends_then_receives_is_a_deadlock_named_with_its_rank_and_call
     line = graded_with(tmp_path, "ring-allreduce", right, wrong)
     assert line.startswith("FAILED: deadlock: [rank "), line
     assert "watchdog: waited" in line and "in Send" in line, line
+
+
+def test_a_row_parallel_bias_added_on_every_rank_is_named_by_the_layer_test(tmp_path):
+    """The bias added before g's sum (t times over): the layer's own check against its dense
+    twin runs first and names the layer, not the embedding a whole model's run would blame."""
+    line = graded_with(tmp_path, "row-parallel",
+                       "        y = self.g.forward(x @ self.W.data)  # (..., d_out), summed "
+                       "over the ranks\n        if self.has_bias:\n            y += self.b.data\n",
+                       "        y = x @ self.W.data\n        if self.has_bias:\n"
+                       "            y = y + self.b.data  # on every rank, then summed\n"
+                       "        y = self.g.forward(y)\n")
+    assert line.startswith("FAILED: test_each_layer_matches_its_dense_twin[2]: "), line
+    assert "RowParallelLinear" in line, line
 
 
 def test_a_dispatch_that_reads_the_arrivals_in_the_wrong_order_is_caught(tmp_path):

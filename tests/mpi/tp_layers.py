@@ -177,7 +177,8 @@ def problem(argv, t, vocab=None):
 msg = problem(["--model", "gpt", "--d-model", "12", "--n-heads", "6"], 4, 94)
 assert "head count --n-heads 6" in msg and "1, 2, 3, 6" in msg, msg
 msg = problem(["--model", "gpt", "--d-model", "18", "--n-heads", "2"], 4, 94)
-assert "hidden size --d-model 18" in msg and "1, 2, 3, 6, 9, 18" in msg, msg
+assert "hidden size --d-model 18" in msg and "divide it: 1, 2 (or make it 16 or 20" in msg, msg
+# (only rank counts that also divide the 2 heads, and widths the 2 heads divide)
 msg = problem(["--model", "mlp", "--sizes", "64,32,30,10"], 4)
 assert msg is None, msg  # 30 is the input of the row-parallel fc1: not split by columns
 msg = problem(["--model", "mlp", "--sizes", "64,32,16,30,10"], 4)
