@@ -101,6 +101,7 @@ class TensorParallel(Trainer):
 
     def __init__(self, task, grid, args):
         self.task, self.comm = task, grid.tp_comm
+        self.sequence_parallel = args.sequence_parallel
 
         # -- TP Step 1: split the weight matrices by row or column across the ranks --
         self.model = build_tp_model(task, self.comm).init(args.seed)  # its shards, its slices
@@ -121,16 +122,20 @@ class TensorParallel(Trainer):
         self.updater.zero_grad()
 
         # -- TP Step 2: each rank computes the forward pass for its part of the tensors --
+        sp = self.sequence_parallel  # f' and g' in place of f and g
         C.narrate("TP Step 2: forward: each rank computes with its own shards (columns, rows, "
-                  "heads, vocabulary block); g (or g') sums the partial results (Step 3)")
+                  "heads, vocabulary block); the partial results are summed by "
+                  + ("g' (a reduce-scatter along the sequence)" if sp else "g (an Allreduce)")
+                  + ", TP Step 3's messages")
         logits = self.model.forward(x)  # (B, T, V/t) or (B, 10); g inside: Step 3 forward
         loss = self.loss_fn.forward(logits, y, normalizer=y.size)
 
         # -- TP Step 3: the ranks shard and gather activations to pass partial results on --
         # forward: g Allreduced the row-parallel partial outputs (g' reduce-scattered them);
         # backward: f Allreduces the column-parallel input gradients (f' reduce-scatters them)
-        C.narrate("TP Step 3, backward: f (or f') sums the input gradients of the column-parallel "
-                  "layers; each shard's gradient is then complete")
+        C.narrate("TP Step 3, backward: " + ("f' (a reduce-scatter)" if sp else "f (an Allreduce)")
+                  + " sums the input gradients of the column-parallel layers; each shard's "
+                  "gradient is then complete")
         self.model.backward(self.loss_fn.backward(1.0 if self.scaler is None
                                                   else self.scaler.scale))
         SP.allreduce_sequence_grads(self.model.parameters(), self.comm)  # --sequence-parallel
@@ -146,6 +151,8 @@ class TensorParallel(Trainer):
         return [] if self.updater.opt is None else [self.updater.opt]
 
     def full_params(self):
+        C.narrate("after training: every rank's shards to rank 0 (one Gatherv), only to "
+                  "evaluate or save the whole model; no step needs it")
         return gather_full_params(self.model, self.comm)
 
 
