@@ -38,9 +38,9 @@ def test_command_line_with_clipping_and_recomputation(mpirun, tmp_path, capsys):
                      "--save-params", saved], timeout=90, env={"MPIPAR_SSEND": "1"}).stdout
     assert "scaled down, in 3 of 3 steps" in out, out
     assert_matches_serial(out, flags, saved, tmp_path, capsys)
-    for line in [r"\[rank 1, tp 1\] Reduce_scatter .* 4\.0 KB .*\(g': partial outputs of "
+    for line in [r"\[rank 1, tp 1\] Reduce_scatter .* 4\.0 KiB .*\(g': partial outputs of "
                  r"blocks\.0\.attn\.proj, by rows\)",
-                 r"\[rank 1, tp 1\] Allgather .* 4\.0 KB .*\(f': the rows of the input of "
+                 r"\[rank 1, tp 1\] Allgather .* 4\.0 KiB .*\(f': the rows of the input of "
                  r"head\.out\)",
                  r"\[rank 0, tp 0\] Allreduce .*\(sequence parallel: LayerNorm and position"]:
         assert re.search(line, out), line

@@ -35,7 +35,7 @@ def test_command_line_matches_serial_with_synchronous_sends(mpirun, tmp_path, ca
                  env={"MPIPAR_SSEND": "1"})
     for step in range(1, 6):
         assert f"] TP Step {step}" in out.stdout, step
-    assert re.search(r"\[rank 3, tp 3\] Allreduce .* 4\.0 KB", out.stdout), out.stdout[:2000]
+    assert re.search(r"\[rank 3, tp 3\] Allreduce .* 4\.0 KiB", out.stdout), out.stdout[:2000]
     assert "[rank 0, tp 0] Scatterv" in out.stdout
     train.main("serial", [*TINY_GPT, "--save-params", str(tmp_path / "serial.npz")])
     report = capsys.readouterr().out.splitlines()[-2]  # final train loss ..., val loss ...
