@@ -342,7 +342,7 @@ def check_training(ex, folder, scratch):
 def check_tests(ex, folder):
     if not ex.tests:
         return None
-    proc = run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+    proc = run([sys.executable, "-m", "pytest", "-x", "-vv", "-p", "no:cacheprovider",
                 *ex.tests], folder, timeout=300)
     if proc.returncode == 0:
         return None
