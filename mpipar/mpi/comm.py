@@ -284,10 +284,7 @@ class Comm(PickledCalls):
     def Iallreduce(self, buf, op=MPI.SUM, what="", posted=True):
         """Non-blocking in-place Allreduce; call ``.wait()`` on the result before reading buf."""
         check_array(buf, what="Allreduce")
-        if B.words(buf) is not buf and op in (MPI.SUM, MPI.MAX, MPI.MIN, MPI.PROD):
-            raise TypeError("Allreduce: MPI has no bf16 arithmetic (it would add the raw "
-                            "2-byte words as integers): sum in float32, or with "
-                            "mpipar.mpi.bf16.bf16_sum")
+        no_bf16_arithmetic(buf, op, "Allreduce", "mpipar.mpi.bf16.bf16_sum")
         host, dev = B.host_out(buf)
         if dev is not None:
             host[...] = B.host(buf)
@@ -318,9 +315,7 @@ class Comm(PickledCalls):
                              f"{self.size} equal blocks")
         check_array(recvbuf, (sendbuf.shape[0] // self.size,) + sendbuf.shape[1:],
                     sendbuf.dtype, what="Reduce_scatter result")
-        if B.words(sendbuf) is not sendbuf and op in (MPI.SUM, MPI.MAX, MPI.MIN, MPI.PROD):
-            raise TypeError("Reduce_scatter: MPI has no bf16 arithmetic: sum in float32, or "
-                            "with mpipar.mpi.bf16.reduce_scatter")
+        no_bf16_arithmetic(sendbuf, op, "Reduce_scatter", "mpipar.mpi.bf16.reduce_scatter")
         t0 = _now()
         host_out, dev = B.host_out(recvbuf)
         self._count("Reduce_scatter", sent=sendbuf.nbytes, recv=recvbuf.nbytes)
@@ -418,6 +413,14 @@ def step(label, detail):
     narrate(f"{label}: {detail}")
     with TRACE.span("sync", label):
         yield
+
+
+def no_bf16_arithmetic(buf, op, call, instead):
+    """Refuse a predefined reduction of bf16 data, which MPI would apply to the raw 2-byte
+    words as integers; a user-defined operation (mpipar.mpi.bf16's) passes."""
+    if B.words(buf) is not buf and op in (MPI.SUM, MPI.MAX, MPI.MIN, MPI.PROD):
+        raise TypeError(f"{call}: MPI has no bf16 arithmetic (it would add the raw 2-byte "
+                        f"words as integers): sum in float32, or with {instead}")
 
 
 def mpi_type(a):
