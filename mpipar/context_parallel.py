@@ -379,7 +379,8 @@ class ContextParallel(Trainer):
                          f"{x.size} tokens, the loss over the batch's {normalizer}")
             logits = self.model.forward(x, micro_id)
             loss += self.loss_fn.forward(logits, y, normalizer, micro_id)
-            self.model.backward(self.loss_fn.backward(self.loss_scale(), micro_id), micro_id)
+            dlogits = self.loss_fn.backward(precision.scale_of(self.scaler), micro_id)
+            self.model.backward(dlogits, micro_id)
 
         # -- CP Step 7: the gradients summed over every rank; every rank updates --
         with comm.step("CP Step 7", f"Allreduce of the gradients over {self.world.size} "
@@ -389,10 +390,6 @@ class ContextParallel(Trainer):
         precision.take_step(self.opt, self.scaler, lambda bad: comm.any_rank(
             self.world, bad, "did any rank's gradients overflow?"))  # (fp16: all skip, or none)
         return sum(self.world.allgather_obj(loss, what="the ranks' losses, to print"))
-
-    def loss_scale(self):
-        """fp16's loss scale (1 otherwise): the backward starts from the loss times it."""
-        return 1.0 if self.scaler is None else self.scaler.scale
 
     def full_params(self):
         """The whole model on world rank 0: every rank holds all of it."""

@@ -355,7 +355,7 @@ class Replica(Trainer):
 
     def loss_scale(self):
         """fp16's loss scale (1 otherwise): the backward starts from the loss times it."""
-        return 1.0 if self.scaler is None else self.scaler.scale
+        return precision.scale_of(self.scaler)
 
     def take_step(self, opt):
         """``opt.step()``; in fp16 skipped on every rank when any rank's gradients overflowed

@@ -279,11 +279,12 @@ class ExpertParallel(Trainer):
 
         # -- EP Step 7: the aux loss over the global batch: one Allreduce of each layer's routing --
         with comm.step("EP Step 7", "Allreduce of each MoE layer's counts, sums of p and tokens"):
-            aux = balance_over(self.world, self.model, len(micro), self.loss_scale())
+            aux = balance_over(self.world, self.model, len(micro), precision.scale_of(self.scaler))
 
         # -- EP Step 8: backward, micro-batch by micro-batch (the all-to-alls reversed inside) --
         for micro_id in range(len(micro)):
-            self.model.backward(self.loss_fn.backward(self.loss_scale(), micro_id), micro_id)
+            dlogits = self.loss_fn.backward(precision.scale_of(self.scaler), micro_id)
+            self.model.backward(dlogits, micro_id)
 
         # -- EP Step 9: replicated gradients summed over all ranks, experts' over their replicas --
         with comm.step("EP Step 9", f"Allreduce of the replicated gradients over "
@@ -294,10 +295,6 @@ class ExpertParallel(Trainer):
         precision.take_step(self.opt, self.scaler, lambda bad: comm.any_rank(
             self.world, bad, "did any rank's gradients overflow?"))  # (fp16: all skip, or none)
         return sum(self.world.allgather_obj(loss, what="the ranks' losses, to print")) + aux
-
-    def loss_scale(self):
-        """fp16's loss scale (1 otherwise): the backward starts from the loss times it."""
-        return 1.0 if self.scaler is None else self.scaler.scale
 
     def full_params(self):
         """The whole model on world rank 0: its replicated part and the experts of its ep

@@ -258,7 +258,7 @@ class Hybrid(Trainer):
         a, task, grid = self.args, self.task, self.grid
         m = a.micro_batches
         fresh = isinstance(self.update, Zero2Update)  # ZeRO-2: full gradients for this step only
-        scale = 1.0 if self.scaler is None else self.scaler.scale  # fp16: backward of loss * it
+        scale = precision.scale_of(self.scaler)  # fp16: the backward of loss * scale
         if isinstance(self.module, BalancingStage):
             self.module.loss_scale = scale  # the aux loss's gradient, scaled alike
         if fresh:

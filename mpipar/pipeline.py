@@ -188,7 +188,7 @@ class Pipeline(Trainer):
             targets=micro_batches(y, m) if self.is_last_stage else None,
             loss_fn=self.loss_fn, normalizer=y.size, optimizer=self.update,
             measure_stash=not self.peak_stash_bytes,  # the first step's is every step's
-            loss_scale=1.0 if self.scaler is None else self.scaler.scale,
+            loss_scale=precision.scale_of(self.scaler),
             placement=self.placement)
         self.peak_stash_bytes = max(self.peak_stash_bytes, result.peak_stash_bytes)
         return share_loss(self.comm, result.loss, holder(self.placement, self.comm.size,

@@ -92,7 +92,7 @@ def train_step(model, loss_fn, opt, x, y, scaler=None):
     opt.zero_grad()
     logits = model.forward(x)
     loss = loss_fn.forward(logits, y, normalizer=y.size)  # mean over every target
-    scale = 1.0 if scaler is None else scaler.scale  # fp16: the backward of loss * scale
+    scale = precision.scale_of(scaler)  # fp16: the backward of loss * scale
     loss += moe.balance(model, loss_scale=scale)  # the MoE layers' load balancing (0 without)
     model.backward(loss_fn.backward(scale))
     precision.take_step(opt, scaler)  # with a scaler: skipped if a gradient overflowed

@@ -136,8 +136,7 @@ class TensorParallel(Trainer):
         C.narrate("TP Step 3, backward: " + ("f' (a reduce-scatter)" if sp else "f (an Allreduce)")
                   + " sums the input gradients of the column-parallel layers; each shard's "
                   "gradient is then complete")
-        self.model.backward(self.loss_fn.backward(1.0 if self.scaler is None
-                                                  else self.scaler.scale))
+        self.model.backward(self.loss_fn.backward(precision.scale_of(self.scaler)))
         SP.allreduce_sequence_grads(self.model.parameters(), self.comm)  # --sequence-parallel
 
         # -- TP Step 4: aggregate the gradients and update the parameters --

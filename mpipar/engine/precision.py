@@ -133,6 +133,11 @@ def scaler_for(args):
     return LossScaler(args.loss_scale, args.loss_scale_interval)
 
 
+def scale_of(scaler):
+    """The factor the backward starts from: fp16's loss scale, or 1 without a scaler."""
+    return 1.0 if scaler is None else scaler.scale
+
+
 def take_step(opt, scaler, agree=None):
     """The update of one step: ``opt.step()``; with a loss ``scaler`` (fp16), only if every
     gradient is finite, the gradients divided by the scale first (``opt.unscale``) and the
