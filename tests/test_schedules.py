@@ -249,12 +249,18 @@ def test_the_production_warm_up_tolerates_latency():
 
 
 def test_interleaved_costs_per_stage_and_per_micro_batch():
-    """Costs as lists or as functions (stage, micro) give the same timeline as numbers."""
+    """Costs as lists (per stage, or per stage and chunk) or as functions (stage, micro,
+    chunk) give the same timeline as numbers; a chunk's own cost is that chunk's."""
     lists = interleaved_lists(3, 6, 2)
     ref = simulate(lists, 0.5, 1.0, message_cost=0.1)
     assert simulate(lists, [0.5] * 3, [1.0] * 3, message_cost=0.1) == ref
-    assert simulate(lists, lambda s, k: 0.5, lambda s, k: 1.0, message_cost=0.1) == ref
-    slow = simulate(lists, lambda s, k: 0.5 + (k == 0), 1.0)
+    assert simulate(lists, [[0.5, 0.5]] * 3, [[1.0, 1.0]] * 3, message_cost=0.1) == ref
+    chunked = simulate(lists, [[0.5, 0.75]] * 3, 1.0)
+    took = {(ins.chunk, round(t1 - t0, 9)) for events in chunked for ins, t0, t1 in events
+            if isinstance(ins, Forward)}
+    assert took == {(0, 0.5), (1, 0.75)}
+    assert simulate(lists, lambda s, k, c: 0.5, lambda s, k, c: 1.0, message_cost=0.1) == ref
+    slow = simulate(lists, lambda s, k, c: 0.5 + (k == 0), 1.0)
     assert slow[0][0][2] == 1.5 and slow != ref
 
 

@@ -88,6 +88,45 @@ def test_replayed_bubble_is_the_formula_for_equal_stages(name, p, m):
     assert bubble == pytest.approx(schedules.bubble_formula(p, m, name), rel=1e-6)
 
 
+@pytest.mark.parametrize("name,p,m", [
+    ("interleaved", 2, 4), ("interleaved", 4, 8), ("zb-h1", 2, 4), ("zb-h1", 4, 4),
+    ("zb-h1", 4, 2), ("zb-v", 2, 3), ("zb-v", 4, 8), ("dualpipev", 2, 4), ("dualpipev", 4, 9)])
+def test_replayed_bubble_of_every_schedule_is_its_formula_for_equal_pieces(name, p, m):
+    """Every piece a block (p x v of them with model chunks), free messages: F, B and W take
+    equal times (a backward is twice a forward, a split one half B, half W), the conditions of
+    each formula, so the step's idle share and the replay's are bubble_formula's."""
+    v = 2 if name in schedules.CHUNKED else 1
+    spec = S.GPTSpec(8, 32, 4, p * v, 16, blocks_only=True)
+    free = S.this_machine(flops=1e9, alpha=0.0, beta=0.0)
+    r = S.predict(spec, free, pp=p, global_batch=4 * m, n_micro=m, schedule=name, dtype_bytes=4)
+    assert (r["n_chunks"], r["partition"]) == (v, [1] * (p * v))
+    law = schedules.bubble_formula(p, m, name, v)
+    assert 1 - r["compute_s"] / r["step_s"] == pytest.approx(law, rel=1e-6)
+    assert r["replay_bubble"] == pytest.approx(law, rel=1e-6) and r["bubble_formula"] == law
+
+
+def test_the_chunks_of_a_stage_are_the_pieces_its_placement_names():
+    """p = 2, 4 pieces of a GPT (embedding + block, block, block, block + head): interleaved
+    stage 0 holds pieces 0 and 2, a V's stage 0 pieces 0 and 3; its parameters, time and the
+    activations it stashes are those pieces'."""
+    spec = S.GPTSpec(94, 32, 4, 4, 16)
+    free = S.this_machine(flops=1e9, alpha=0.0, beta=0.0)
+    table = S.layer_table(spec, 2, dtype_bytes=4)
+    pieces = [table[:2], table[2:3], table[3:4], table[4:]]
+    params = [sum(r["params"] for r in rows) for rows in pieces]
+    for name, held in [("interleaved", [(0, 2), (1, 3)]), ("zb-v", [(0, 3), (1, 2)])]:
+        r = S.predict(spec, free, pp=2, global_batch=8, n_micro=4, schedule=name, dtype_bytes=4)
+        assert r["partition"] == [2, 1, 1, 2]
+        assert r["mem_params_bytes"] == 4 * max(params[a] + params[b] for a, b in held)
+        lists = schedules.schedule(name, 2, 4, 2)
+        stash = [[sum(r["stash"] for r in pieces[x]) for x in pair] for pair in held]
+        assert r["mem_activations_bytes"] == pytest.approx(
+            max(schedules.peak_stash(ins, b, b) for ins, b in zip(lists, stash)))
+    one = S.predict(spec, free, pp=2, global_batch=8, n_micro=4, schedule="1f1b", dtype_bytes=4)
+    assert one["n_chunks"] == 1 and one["mem_params_bytes"] == 4 * max(
+        sum(params[:2]), sum(params[2:]))
+
+
 def test_pipeline_messages_add_alpha_beta_per_hop():
     spec = S.GPTSpec(8, 32, 4, 2, 16, blocks_only=True)
     free = S.predict(spec, S.this_machine(1e9, 0.0, 0.0), pp=2, global_batch=4, n_micro=1)
@@ -518,6 +557,16 @@ def test_selective_recomputation_adds_attention_core_and_keeps_the_rest():
     (["--cp", "8", "--cp-algo", "ulysses"], "--cp-algo ulysses needs --n-heads 4 divisible"),
     (["--cp", "2", "--experts", "4"], "--cp takes no --experts"),
     (["--cp", "0"], "argument --cp: expected a whole number > 0, got '0'"),
+    (["--pp", "2", "--micro-batches", "3", "--schedule", "dualpipev", "--n-layers", "6"],
+     "dualpipev needs at least 2 x 2 = 4 micro-batches, got 3"),
+    (["--pp", "4", "--micro-batches", "8", "--schedule", "zb-v"],
+     "--pp 4 stages x 2 chunks = 8 model pieces but the model has only 4 layers"),
+    (["--pp", "4", "--micro-batches", "6", "--schedule", "interleaved", "--n-layers", "6"],
+     "interleaved 1F1B needs the micro-batches (6) to be a multiple of the stages (4)"),
+    (["--pp", "2", "--chunks", "2"], "schedule 1f1b runs one model chunk per stage, not 2"),
+    (["--pp", "2", "--chunks", "3", "--schedule", "zb-v", "--n-layers", "6"],
+     "schedule zb-v runs two model chunks per stage, not 3"),
+    (["--pp", "2", "--warmup", "lean"], "--warmup is interleaved 1F1B's, not --schedule 1f1b's"),
     (["--experts", "4", "--dp", "4", "--ep", "4", "--imbalance", "2.5"],
      "--imbalance 2.5 is above 2: the busiest of 4 ranks, holding 1 expert(s), gets at most 1"),
 ])

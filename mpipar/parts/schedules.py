@@ -180,7 +180,8 @@ SCHEDULES = {"naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b}  # the hybrid'
 SPLIT = {"zb-h1": zb_h1}  # B and W apart: the pipeline's own stages (not the hybrid's)
 V_SHAPED = {"zb-v": zb_v, "dualpipev": dualpipev}  # two chunks a rank, placed in a V
 
-CHOICES = (*SCHEDULES, "interleaved", *SPLIT, *V_SHAPED)  # interleaved, V: model chunks
+CHOICES = (*SCHEDULES, "interleaved", *SPLIT, *V_SHAPED)
+CHUNKED = ("interleaved", *V_SHAPED)  # model chunks on every stage: 2 unless told
 
 
 def placement_of(name):
@@ -229,6 +230,13 @@ def bubble_formula(n_stages, n_micro, name="gpipe", n_chunks=1):
     return (p - 1) / (v * m + p - 1)
 
 
+BUBBLE_LAWS = {  # bubble_formula's laws, as the cost model prints them
+    "naive": "(p-1)/p", "gpipe": "(p-1)/(m+p-1)", "1f1b": "(p-1)/(m+p-1)",
+    "interleaved": "(p-1)/(vm+p-1)", "zb-h1": "(p-1)/(3m+p-1) for F = B = W, m >= p",
+    "zb-v": "(p-1)/(6m+p-1) for F = B = W, m >= 2p-1",
+    "dualpipev": "(p-1)/(6m+p-1) for F = B = W, m >= 2p-1"}
+
+
 def zb_h1_idle(n_stages, tf, tb, tw):
     """The time each stage of ZB-H1 idles in a step (m >= p), forward, B and W taking tf, tb
     and tw: (p-1)(tf + tb - tw) when W is no longer than F or B, else (p-1) max(tf, tb); in
@@ -260,16 +268,22 @@ def peak_in_flight(instructions):
 def peak_stash(instructions, forward_bytes, weight_bytes=0):
     """The most bytes a stage stashes at once when a forward stashes ``forward_bytes`` for its
     micro-batch, a B that has a W keeps ``weight_bytes`` of them (what W needs: each layer's
-    input and output gradient) until that W, and a whole backward frees them all."""
+    input and output gradient) until that W, and a whole backward frees them all. Either may
+    be one number per model chunk (the chunks of a stage are different pieces of the model)."""
     split = {(i.micro, i.chunk) for i in instructions if isinstance(i, BackwardWeight)}
+
+    def of(n_bytes, chunk):
+        return n_bytes[chunk] if hasattr(n_bytes, "__len__") else n_bytes
+
     held = peak = 0
     for ins in instructions:
+        f, w = of(forward_bytes, ins.chunk), of(weight_bytes, ins.chunk)
         if isinstance(ins, Forward):
-            held += forward_bytes
+            held += f
         elif isinstance(ins, Backward):
-            held += (weight_bytes if (ins.micro, ins.chunk) in split else 0) - forward_bytes
+            held += (w if (ins.micro, ins.chunk) in split else 0) - f
         elif isinstance(ins, BackwardWeight):
-            held -= weight_bytes
+            held -= w
         peak = max(peak, held)
     return peak
 
@@ -285,10 +299,11 @@ def simulate(lists, forward_cost=1.0, backward_cost=2.0, message_cost=0.0, weigh
     A send does not hold up its sender (MPI's non-blocking send); a receive waits until its
     message has arrived, ``message_cost`` after the send, and must get the micro-batch it names.
     Forward and backward take the given times: one number for every stage, one per stage (the
-    cost model, :mod:`mpipar.tools.simulate`, passes each stage's own), or a function (stage, micro)
-    -> time. Where a list splits a micro-batch's backward, its W takes ``weight_share`` of the
-    backward's time and its B the rest (half each: for a matrix product dx and dW cost the
-    same FLOPs, so F, B and W take equal times). With model chunks (interleaved 1F1B, v = 1 +
+    cost model, :mod:`mpipar.tools.simulate`, passes each stage's own; with model chunks, a
+    stage's may be one per chunk), or a function (stage, micro, chunk) -> time. Where a list
+    splits a micro-batch's backward, its W takes ``weight_share`` of the backward's time and
+    its B the rest (half each: for a matrix product dx and dW cost the same FLOPs, so F, B and
+    W take equal times). With model chunks (interleaved 1F1B, v = 1 +
     the largest chunk in the lists) the activation of chunk c goes to chunk c of the next
     stage, and from the last stage to chunk c+1 of stage 0; gradients go the reverse way; a
     cost is then that of one chunk. ``placement`` "v" (the V-shaped schedules) routes as
@@ -308,8 +323,9 @@ def simulate(lists, forward_cost=1.0, backward_cost=2.0, message_cost=0.0, weigh
     state = [dict(fwd=set(), bwd=set(), wgt=set(), act=set(), grad=set()) for _ in range(n)]
     split = [{(i.micro, i.chunk) for i in ins if isinstance(i, BackwardWeight)} for ins in lists]
 
-    def cost(costs, s, k):
-        return costs[s](s, k) if callable(costs[s]) else costs[s]
+    def cost(costs, s, k, c):
+        mine = costs[s]
+        return mine(s, k, c) if callable(mine) else mine[c] if hasattr(mine, "__len__") else mine
 
     def channel(src, dst, what, chunk):
         return channels.setdefault((src, dst, what, chunk), deque())
@@ -340,7 +356,7 @@ def simulate(lists, forward_cost=1.0, backward_cost=2.0, message_cost=0.0, weigh
             if (k, c) in st["fwd"] or (not first and (k, c) not in st["act"]):
                 raise ScheduleError(f"stage {s}: {ins} without its input activation (or twice)")
             st["fwd"].add((k, c))
-            took = cost(forward_cost, s, k)
+            took = cost(forward_cost, s, k, c)
             if after is not None and after[0] == s:  # handed to this rank's next piece
                 st["act"].add((k, after[1]))
         elif isinstance(ins, Backward):
@@ -349,14 +365,14 @@ def simulate(lists, forward_cost=1.0, backward_cost=2.0, message_cost=0.0, weigh
                 raise ScheduleError(f"stage {s}: {ins} before its forward or its output's "
                                     "gradient (or twice)")
             st["bwd"].add((k, c))
-            took = cost(backward_cost, s, k) * (1 - weight_share if (k, c) in split[s] else 1)
+            took = cost(backward_cost, s, k, c) * (1 - weight_share if (k, c) in split[s] else 1)
             if before is not None and before[0] == s:  # to this rank's previous piece
                 st["grad"].add((k, before[1]))
         elif isinstance(ins, BackwardWeight):
             if (k, c) in st["wgt"] or (k, c) not in st["bwd"]:
                 raise ScheduleError(f"stage {s}: {ins} before its B (or twice)")
             st["wgt"].add((k, c))
-            took = cost(backward_cost, s, k) * weight_share
+            took = cost(backward_cost, s, k, c) * weight_share
         elif isinstance(ins, (SendAct, SendGrad)):
             is_act = isinstance(ins, SendAct)
             dst_at, what = after if is_act else before, "act" if is_act else "grad"

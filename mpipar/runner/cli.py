@@ -17,7 +17,7 @@ from mpipar.engine import backend as B
 from mpipar.engine import precision
 from mpipar.mpi import comm
 from mpipar.parts.plan import DEFAULTS, activation_bytes, memory_bytes, tp_size_problem
-from mpipar.parts.schedules import CHOICES, SCHEDULES, SPLIT, V_SHAPED
+from mpipar.parts.schedules import CHOICES, CHUNKED, SCHEDULES, SPLIT, V_SHAPED
 from mpipar.runner.flags import PROGS, common_flags, scheme_flags
 
 SCHEMES = ("serial", "data_parallel", "tensor_parallel", "pipeline", "hybrid", "expert_parallel",
@@ -212,7 +212,7 @@ FLAG_RULES = [
     (PP, lambda a: a.schedule in V_SHAPED and a.chunks != 2,
      "--schedule {a.schedule} places 2 model chunks on each rank in a V, not --chunks "
      "{a.chunks}"),
-    (PP, lambda a: a.schedule != "interleaved" and a.schedule not in V_SHAPED and a.chunks != 1,
+    (PP, lambda a: a.schedule not in CHUNKED and a.chunks != 1,
      "--chunks {a.chunks} needs --schedule interleaved ({a.schedule} runs one model chunk "
      "per rank)"),
     (PP, lambda a: a.chunks <= 0, "--chunks must be positive, got {a.chunks}"),
@@ -309,8 +309,7 @@ def complete(a, scheme, n):
     # the groups that take different rows: the hybrid's cp replicas of a stage share theirs
     a.data_groups = max((a.dp or 1) // max(a.cp, 1), 1) if scheme == "hybrid" else a.dp
     if scheme == "pipeline":
-        a.chunks = (2 if a.schedule == "interleaved" or a.schedule in V_SHAPED else 1) \
-            if a.chunks is None else a.chunks
+        a.chunks = (2 if a.schedule in CHUNKED else 1) if a.chunks is None else a.chunks
         a.stages = a.stages if a.print_schedule else n
         a.stages2 = 2 * a.stages
         if a.micro_batches is None:  # 4; dualpipev's least, 2 a stage, if that is more

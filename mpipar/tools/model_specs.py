@@ -1,11 +1,12 @@
 """The models the cost model (:mod:`mpipar.tools.simulate`) prices, as tables of their layers:
 each layer's forward FLOPs for a micro-batch, its parameters, its tensor-parallel allreduces and
-the activation bytes it stashes. Only shapes: no parameter is ever allocated."""
+the activation bytes it stashes; and the layouts a model cannot take (:func:`layout_problem`).
+Only shapes: no parameter is ever allocated."""
 
 from dataclasses import asdict, dataclass
 
 from mpipar.engine import moe, nn
-from mpipar.parts import plan
+from mpipar.parts import plan, schedules
 
 
 @dataclass
@@ -119,3 +120,62 @@ def layer_table(spec, micro_rows, tp=1, dtype_bytes=2, recompute=False, cp=1, cp
                  core=4 * micro_rows * spec.seq_len ** 2 * spec.d_model
                  if isinstance(layer, nn.Block) else 0)
             for (name, layer), f, fd in zip(model.layers, flops, dense)]
+
+
+def layout_problem(spec, a):
+    """Why this model cannot run on the layout of the flags ``a`` (one sentence), or None."""
+    if spec.d_model % spec.n_heads:
+        return f"--d-model {spec.d_model} is not divisible by --n-heads {spec.n_heads}"
+    if spec.n_heads % a.tp or spec.d_model % a.tp:
+        return (f"--tp {a.tp} must divide the head count ({spec.n_heads}) and the hidden size "
+                f"({spec.d_model}): tensor parallelism splits both")
+    if spec.vocab < a.tp:
+        return f"--vocab {spec.vocab} has fewer entries than the {a.tp} tensor-parallel ranks"
+    n_layers = spec.n_layers + 2  # the embedding and the head are layers of their own
+    if a.pp > n_layers:
+        return (f"--pp {a.pp} stages but the model has only {n_layers} layers (embedding, "
+                f"{spec.n_layers} blocks, head): each stage needs at least one")
+    v = a.chunks or (2 if a.schedule in schedules.CHUNKED else 1)
+    if a.pp * v > n_layers:
+        return (f"--pp {a.pp} stages x {v} chunks = {a.pp * v} model pieces but the model has "
+                f"only {n_layers} layers (embedding, {spec.n_layers} blocks, head)")
+    if a.warmup and a.schedule != "interleaved":
+        return f"--warmup is interleaved 1F1B's, not --schedule {a.schedule}'s"
+    try:  # what the schedule itself refuses (chunks, micro-batch counts)
+        schedules.schedule(a.schedule, a.pp, a.micro_batches, v, a.warmup or "production")
+    except ValueError as e:
+        return str(e)
+    if a.cp > 1 and a.experts:
+        return "--cp takes no --experts: context parallelism is modelled for the dense GPT"
+    if a.cp > 1 and a.seq_len % (2 * a.cp if a.cp_algo == "zigzag" else a.cp):
+        return (f"--seq-len {spec.seq_len} does not cut into the "
+                f"{2 * a.cp if a.cp_algo == 'zigzag' else a.cp} chunks of --cp-algo "
+                f"{a.cp_algo} on --cp {a.cp}")
+    if a.cp > 1 and a.cp_algo == "ulysses" and spec.n_heads % a.cp:
+        return f"--cp-algo ulysses needs --n-heads {spec.n_heads} divisible by --cp {a.cp}"
+    if a.experts and not 1 <= a.top_k <= a.experts:
+        return f"--top-k {a.top_k} of --experts {a.experts}: each token goes to 1 to E experts"
+    if a.ep > 1 and not a.experts:
+        return f"--ep {a.ep} splits experts: give --experts E"
+    if a.experts and (a.dp % a.ep or a.experts % a.ep):
+        return (f"--ep {a.ep} must divide the --dp {a.dp} replicas and the --experts "
+                f"{a.experts}: each of ep replicas holds E/ep experts")
+    if a.experts and a.tp > 1:
+        return "--experts takes no --tp: the experts are split over replicas, not tensor ranks"
+    if a.experts and a.pp > 1 and a.schedule != "gpipe":
+        return ("--experts with --pp needs --schedule gpipe: the load-balancing loss needs every "
+                "micro-batch's routing before the first backward")
+    if a.imbalance < 1:
+        return f"--imbalance {a.imbalance:g} is below 1: it is the busiest rank's over the mean"
+    if a.imbalance > 1 and a.ep == 1:
+        return (f"--imbalance {a.imbalance:g} needs --ep above 1 (and --experts): one rank "
+                f"holding every expert does the mean work")
+    most = a.ep * min(a.top_k, a.experts // a.ep) / a.top_k if a.experts else 1
+    if a.imbalance > most:  # a token's k pairs go to k different experts
+        return (f"--imbalance {a.imbalance:g} is above {most:g}: the busiest of {a.ep} ranks, "
+                f"holding {a.experts // a.ep} expert(s), gets at most "
+                f"{min(a.top_k, a.experts // a.ep)} of each token's {a.top_k} pairs")
+    if a.batch_size < a.dp * a.micro_batches:
+        return (f"--batch-size {a.batch_size} cannot give every one of --dp {a.dp} replicas x "
+                f"--micro-batches {a.micro_batches} a row: use at least {a.dp * a.micro_batches}")
+    return None

@@ -31,7 +31,11 @@ predicts
 - pipeline: the stages cut by :func:`mpipar.parts.plan.partition`, then the *actual* schedule
   (:func:`mpipar.parts.schedules.schedule`) replayed by :func:`mpipar.parts.schedules.simulate` with
   each stage's forward and backward times and alpha + n beta per activation or gradient message, so
-  the bubble comes out of the replay, not out of the closed formula (p-1)/(m+p-1);
+  the bubble comes out of the replay, not out of the closed formula (p-1)/(m+p-1). Every
+  schedule of the pipeline: with model chunks (``interleaved``, ``zb-v``, ``dualpipev``) the
+  model is cut into p x v pieces as the pipeline cuts it, each chunk costs its own piece, the
+  pieces sit where the placement puts them (:func:`mpipar.parts.instructions.piece_of`), and a
+  stage's stash is walked chunk by chunk (a split backward's kept until its W);
 - data-parallel gradient allreduce once per step (over d ranks, not overlapped); with
   ZeRO-3 each layer's two allgathers and one reduce-scatter per micro-batch instead, and with
   ZeRO-1 to 3 an update of 1/d of the parameters (``--zero 0..3``; with d = 1 nothing is
@@ -70,6 +74,7 @@ from dataclasses import asdict
 import numpy as np
 
 from mpipar.parts import plan, schedules
+from mpipar.parts.instructions import piece_of
 from mpipar.tools.bench.common import OneLineParser, number
 from mpipar.tools.hardware import (  # noqa: F401 (the model's machines, imported from here too)
     PRESETS,
@@ -84,10 +89,11 @@ from mpipar.tools.model_specs import (  # noqa: F401 (the priced models, importe
     GPTSpec,
     MLPSpec,
     layer_table,
+    layout_problem,
 )
 
 
-def shared_replay(lists, fwd, bwd, extra, message, share, group=1, rounds=20):
+def shared_replay(lists, fwd, bwd, extra, message, share, group=1, rounds=20, placement="loop"):
     """Replay a pipeline schedule on ranks that share cores (processor sharing).
 
     ``share[k]``: the speed of a computing rank, relative to one rank alone, while k ranks
@@ -97,18 +103,24 @@ def shared_replay(lists, fwd, bwd, extra, message, share, group=1, rounds=20):
     timing, and the timing on how fast they compute, so this iterates: replay, find for each
     forward and backward the mean of 1/share over its span, scale its compute time ``fwd[s]``
     or ``bwd[s]`` by that (``extra[s]``, the stage's collectives in either pass, is not
-    scaled), replay again; halfway steps (damping) until the slowdowns settle."""
+    scaled), replay again; halfway steps (damping) until the slowdowns settle. With model
+    chunks each of ``fwd[s]``, ``bwd[s]``, ``extra[s]`` may be one value per chunk; a split
+    backward's W takes its B's slowdown."""
     top = max(share)
     first = 1 / share[group]  # the first guess: the stage's own ranks computing
-    slow = {}  # (stage, micro, "F" or "B") -> slowdown of that compute
+    slow = {}  # (stage, micro, chunk, "F" or "B") -> slowdown of that compute
+
+    def of(values, s, c):
+        return values[s][c] if hasattr(values[s], "__len__") else values[s]
 
     def costs(kind, base):
-        return lambda s, k: base[s] * slow.get((s, k, kind), first) + extra[s]
+        return lambda s, k, c: of(base, s, c) * slow.get((s, k, c, kind), first) + of(extra, s, c)
 
     for _ in range(rounds):
-        timeline = schedules.simulate(lists, costs("F", fwd), costs("B", bwd), message)
-        spans = [(t0, t1, (s, ins.micro, ins.code)) for s, events in enumerate(timeline)
-                 for ins, t0, t1 in events if ins.code in ("F", "B") and t1 > t0]
+        timeline = schedules.simulate(lists, costs("F", fwd), costs("B", bwd), message,
+                                      placement=placement)
+        spans = [(t0, t1, (s, ins.micro, ins.chunk, ins.code)) for s, events in enumerate(timeline)
+                 for ins, t0, t1 in events if ins.code in ("F", "B", "W") and t1 > t0]
         edges = sorted({t for t0, t1, _ in spans for t in (t0, t1)})
         # 1/share for each interval between consecutive span edges
         pieces = []
@@ -163,7 +175,7 @@ def cp_exchange_time(spec, hw, micro_rows, cp, cp_algo, dtype_bytes):
 
 def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f1b",
             dtype_bytes=2, zero=0, recompute=False, compute_share=1.0, stage_share=None,
-            ep=1, imbalance=1.0, cp=1, cp_algo="ring"):
+            ep=1, imbalance=1.0, cp=1, cp_algo="ring", n_chunks=None, warmup="production"):
     """Predicted step time (and its parts) and memory per rank.
 
     ``recompute``: keep only each block's input and recompute its forward in backward (the
@@ -207,10 +219,14 @@ def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f
         raise ValueError(f"global batch {global_batch} is too small for dp={dp} x m={n_micro}")
     if cp > 1 and getattr(spec, "experts", 0):
         raise ValueError("the cost model has context parallelism for the dense GPT only")
+    v = n_chunks or (2 if schedule in schedules.CHUNKED else 1)
+    placement = schedules.placement_of(schedule)
+    lists = schedules.schedule(schedule, pp, n_micro, v, warmup)  # raises if it cannot run
     rows = max(1, round(micro_rows))
     table = layer_table(spec, rows, tp, dtype_bytes, recompute, cp, cp_algo)
     scale = micro_rows / rows
-    counts = plan.partition([row["dense_flops"] for row in table], pp)  # as the pipeline cuts
+    # as the pipeline cuts: into p stages, or p x v pieces, v chunks a stage
+    counts = plan.partition([row["dense_flops"] for row in table], pp * v)
     table_share = compute_share if isinstance(compute_share, dict) else None
     if table_share:  # everything outside the pipeline replay runs with every rank computing
         compute_share = table_share[min(dp * tp * pp, max(table_share))]
@@ -224,9 +240,9 @@ def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f
     a2a += cp_exchange_time(spec, hw, micro_rows, cp, cp_algo, dtype_bytes)
     core_share = CORE_SHARE[cp_algo](cp) if cp > 1 else 1.0  # the busiest rank's, of the core
 
-    fwd, bwd, comm, ep_comm, stage_params, stage_experts, stage_stash = [], [], [], [], [], [], []
+    fwd, bwd, comm, ep_comm, params, experts, stash, rows_of = [], [], [], [], [], [], [], []
     start = 0
-    for c in counts:
+    for c in counts:  # each piece: a stage, or with model chunks one chunk of a stage
         layers = table[start:start + c]
         start += c
         flops = sum((r["flops"] - r["core"]) / cp + core_share * r["core"]
@@ -239,25 +255,36 @@ def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f
         bwd.append(2 * fixed + (backward_factor * flops + core) / rate)
         comm.append((big * allreduce + small * per_token) / 2)  # in each pass: half of them
         ep_comm.append(sum(r["core"] > 0 for r in layers) * a2a / 2)  # per block, as comm
-        stage_experts.append(sum(r["expert_params"] for r in layers) / (ep * tp))
-        stage_params.append(sum(r["params"] - r["expert_params"] for r in layers) / tp
-                            + stage_experts[-1])
-        stage_stash.append(sum(r["stash"] for r in layers) * scale)
+        experts.append(sum(r["expert_params"] for r in layers) / (ep * tp))
+        params.append(sum(r["params"] - r["expert_params"] for r in layers) / tp + experts[-1])
+        stash.append(sum(r["stash"] for r in layers) * scale)
+        rows_of.append(layers)
     comm = [c + e for c, e in zip(comm, ep_comm)]  # the passes wait for both alike
+    # stage s's chunk c is piece mine[s][c] (the loop, or the V: schedules.placement_of)
+    mine = [[piece_of(placement, pp, s, c) for c in range(v)] for s in range(pp)]
+
+    def chunks(values):  # per stage, one value per chunk
+        return [[values[x] for x in pieces] for pieces in mine]
 
     message = hw.net_alpha + act_bytes * hw.net_beta if pp > 1 else 0.0
-    lists = schedules.schedule(schedule, pp, n_micro)
     if table_share:
         replay_share = stage_share if stage_share and dp * tp == 1 else table_share
-        timeline = shared_replay(lists, fwd, bwd, comm, message, replay_share, dp * tp)
+        timeline = shared_replay(lists, chunks(fwd), chunks(bwd), chunks(comm), message,
+                                 replay_share, dp * tp, placement=placement)
         fwd = [f / compute_share for f in fwd]  # for the split below: all ranks computing
         bwd = [b / compute_share for b in bwd]
     fwd = [f + c for f, c in zip(fwd, comm)]
     bwd = [b + c for b, c in zip(bwd, comm)]
     if not table_share:
-        timeline = schedules.simulate(lists, forward_cost=fwd, backward_cost=bwd,
-                                      message_cost=message)
+        timeline = schedules.simulate(lists, chunks(fwd), chunks(bwd), message,
+                                      placement=placement)
     pipeline_time = max(end for events in timeline for _, _, end in events)
+    activations = max(schedules.peak_stash(ins, held, held)  # a split B's stash kept to its W
+                      for ins, held in zip(lists, chunks(stash)))
+    # from here on per stage: the sums over its chunks
+    fwd, bwd, comm, ep_comm, stage_params, stage_experts = (
+        [sum(row) for row in chunks(values)]
+        for values in (fwd, bwd, comm, ep_comm, params, experts))
     busiest = int(np.argmax([n_micro * (f + b) for f, b in zip(fwd, bwd)]))
 
     big = int(np.argmax(stage_params))  # the stage of the most parameters
@@ -267,7 +294,7 @@ def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f
         dp_time += hw.collective_time("allreduce", stage_experts[big] * dtype_bytes, dp // ep,
                                       hw.net_alpha, hw.net_beta)
     if zero >= 3:  # per micro-batch and layer Allgather, Allgather, Reduce_scatter
-        layers = table[sum(counts[:busiest]):][:counts[busiest]]  # the busiest stage's
+        layers = [r for x in mine[busiest] for r in rows_of[x]]  # the busiest stage's
         dp_time = n_micro * sum(hw.collective_time(kind, r["params"] / tp * dtype_bytes, dp,
                                                    hw.net_alpha, hw.net_beta)
                                 for r in layers if r["params"] for kind in ZERO3_CALLS)
@@ -282,10 +309,9 @@ def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f
                                   - 2 * comm[busiest])
     a2a_comm = n_micro * 2 * ep_comm[busiest]
     tp_comm = n_micro * 2 * comm[busiest] - a2a_comm
-    pp_comm = 2 * n_micro * message if pp > 1 else 0.0
+    pp_comm = 2 * n_micro * v * message if pp > 1 else 0.0  # in and back, on every chunk
     bubble = max(0.0, pipeline_time + update - compute - tp_comm - a2a_comm - pp_comm)
 
-    peak = [schedules.peak_in_flight(ins) for ins in lists]
     params = max(stage_params)
     memory = dict(
         params=params * dtype_bytes / (dp if zero >= 3 else 1),
@@ -295,18 +321,20 @@ def predict(spec, hw, dp=1, tp=1, pp=1, global_batch=32, n_micro=1, schedule="1f
         # 16-bit weights and gradients, ZeRO), 16 in float64
         optimizer=params * (2 * max(dtype_bytes, 4) + (4 if dtype_bytes < 4 else 0))
         / (dp if zero else 1),
-        activations=max(p * b for p, b in zip(peak, stage_stash)),
+        activations=activations,
     )
     memory["total"] = sum(memory.values())
     tokens = global_batch * getattr(spec, "seq_len", 1)
     return dict(
         dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, devices=dp * tp * pp * cp, n_micro=n_micro,
-        schedule=schedule,
+        schedule=schedule, n_chunks=v,
         step_s=total, compute_s=compute, tp_comm_s=tp_comm, pp_comm_s=pp_comm, bubble_s=bubble,
         dp_comm_s=dp_time, ep_comm_s=0.0 if cp > 1 else a2a_comm,
         cp_comm_s=a2a_comm if cp > 1 else 0.0, tokens_per_s=tokens / total,
         model_flops_per_s=6 * sum(r["params"] for r in table) * tokens / total,
         fits=memory["total"] <= hw.memory, partition=counts,
+        replay_bubble=schedules.simulated_bubble(timeline) if pp > 1 else 0.0,
+        bubble_formula=schedules.bubble_formula(pp, n_micro, schedule, v) if pp > 1 else 0.0,
         **{f"mem_{k}_bytes": v for k, v in memory.items()},
     )
 
@@ -336,55 +364,6 @@ def extrapolate(hw_name="a100", global_batch=1536, devices=(8, 16, 32, 64, 128, 
 
 
 # ----------------------------------------------------------------------------- command line
-def layout_problem(spec, a):
-    """Why this model cannot run on the layout of the flags ``a`` (one sentence), or None."""
-    if spec.d_model % spec.n_heads:
-        return f"--d-model {spec.d_model} is not divisible by --n-heads {spec.n_heads}"
-    if spec.n_heads % a.tp or spec.d_model % a.tp:
-        return (f"--tp {a.tp} must divide the head count ({spec.n_heads}) and the hidden size "
-                f"({spec.d_model}): tensor parallelism splits both")
-    if spec.vocab < a.tp:
-        return f"--vocab {spec.vocab} has fewer entries than the {a.tp} tensor-parallel ranks"
-    n_layers = spec.n_layers + 2  # the embedding and the head are layers of their own
-    if a.pp > n_layers:
-        return (f"--pp {a.pp} stages but the model has only {n_layers} layers (embedding, "
-                f"{spec.n_layers} blocks, head): each stage needs at least one")
-    if a.cp > 1 and a.experts:
-        return "--cp takes no --experts: context parallelism is modelled for the dense GPT"
-    if a.cp > 1 and a.seq_len % (2 * a.cp if a.cp_algo == "zigzag" else a.cp):
-        return (f"--seq-len {spec.seq_len} does not cut into the "
-                f"{2 * a.cp if a.cp_algo == 'zigzag' else a.cp} chunks of --cp-algo "
-                f"{a.cp_algo} on --cp {a.cp}")
-    if a.cp > 1 and a.cp_algo == "ulysses" and spec.n_heads % a.cp:
-        return f"--cp-algo ulysses needs --n-heads {spec.n_heads} divisible by --cp {a.cp}"
-    if a.experts and not 1 <= a.top_k <= a.experts:
-        return f"--top-k {a.top_k} of --experts {a.experts}: each token goes to 1 to E experts"
-    if a.ep > 1 and not a.experts:
-        return f"--ep {a.ep} splits experts: give --experts E"
-    if a.experts and (a.dp % a.ep or a.experts % a.ep):
-        return (f"--ep {a.ep} must divide the --dp {a.dp} replicas and the --experts "
-                f"{a.experts}: each of ep replicas holds E/ep experts")
-    if a.experts and a.tp > 1:
-        return "--experts takes no --tp: the experts are split over replicas, not tensor ranks"
-    if a.experts and a.pp > 1 and a.schedule != "gpipe":
-        return ("--experts with --pp needs --schedule gpipe: the load-balancing loss needs every "
-                "micro-batch's routing before the first backward")
-    if a.imbalance < 1:
-        return f"--imbalance {a.imbalance:g} is below 1: it is the busiest rank's over the mean"
-    if a.imbalance > 1 and a.ep == 1:
-        return (f"--imbalance {a.imbalance:g} needs --ep above 1 (and --experts): one rank "
-                f"holding every expert does the mean work")
-    most = a.ep * min(a.top_k, a.experts // a.ep) / a.top_k if a.experts else 1
-    if a.imbalance > most:  # a token's k pairs go to k different experts
-        return (f"--imbalance {a.imbalance:g} is above {most:g}: the busiest of {a.ep} ranks, "
-                f"holding {a.experts // a.ep} expert(s), gets at most "
-                f"{min(a.top_k, a.experts // a.ep)} of each token's {a.top_k} pairs")
-    if a.batch_size < a.dp * a.micro_batches:
-        return (f"--batch-size {a.batch_size} cannot give every one of --dp {a.dp} replicas x "
-                f"--micro-batches {a.micro_batches} a row: use at least {a.dp * a.micro_batches}")
-    return None
-
-
 def main(argv=None):
     ap = OneLineParser(prog="python -m mpipar.tools.simulate", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -400,7 +379,11 @@ def main(argv=None):
     ap.add_argument("--tp", type=count, default=1)
     ap.add_argument("--pp", type=count, default=1)
     ap.add_argument("--micro-batches", type=count, default=1)
-    ap.add_argument("--schedule", choices=list(schedules.SCHEDULES), default="1f1b")
+    ap.add_argument("--schedule", choices=schedules.CHOICES, default="1f1b")
+    ap.add_argument("--chunks", type=count,
+                    help="model chunks a stage (interleaved; default 2, as the V schedules')")
+    ap.add_argument("--warmup", choices=schedules.WARMUPS,
+                    help="interleaved 1F1B's warm-up (default production)")
     ap.add_argument("--hardware", choices=["this", *PRESETS], default="this")
     ap.add_argument("--flops", type=rate, help="FLOP/s, --hardware this (default: flops.csv)")
     ap.add_argument("--alpha", type=cost, help="s per message, --hardware this (0: free)")
@@ -433,13 +416,17 @@ def main(argv=None):
         else PRESETS[args.hardware]
     r = predict(spec, hw, args.dp, args.tp, args.pp, args.batch_size, args.micro_batches,
                 args.schedule, args.dtype_bytes, args.zero, args.recompute, ep=args.ep,
-                imbalance=args.imbalance, cp=args.cp, cp_algo=args.cp_algo)
+                imbalance=args.imbalance, cp=args.cp, cp_algo=args.cp_algo,
+                n_chunks=args.chunks, warmup=args.warmup or "production")
     if args.json:  # allow_nan=False: a NaN is an error here, never a silent "NaN" in the output
         print(json.dumps(dict(r, hardware=asdict(hw)), allow_nan=False))
         return
     print(f"{hw.name}: GPT {spec}")
     print(f"layout dp={args.dp} tp={args.tp} pp={args.pp}, {args.micro_batches} micro-batches, "
-          f"{args.schedule}; layers per stage {r['partition']}"
+          f"{args.schedule}"
+          + (f", {r['n_chunks']} chunks a stage ({args.warmup or 'production'} warm-up)"
+             if args.schedule == "interleaved" else "")
+          + f"; {_cut(args.schedule, r)}"
           + (f"; ZeRO-{args.zero}" if args.zero else "")
           + (f"; recompute {args.recompute}" if args.recompute else "")
           + (f"; {args.experts} experts, top-{args.top_k}, ep={args.ep}, imbalance "
@@ -450,10 +437,22 @@ def main(argv=None):
           f"{_ms(r['bubble_s'])}, data-parallel comm {_ms(r['dp_comm_s'])}"
           + (f", expert all-to-alls {_ms(r['ep_comm_s'])}" if args.experts else "")
           + (f", context-parallel comm {_ms(r['cp_comm_s'])}" if args.cp > 1 else ""))
+    if args.pp > 1:
+        print(f"idle share of all stages in the replayed step {r['replay_bubble']:.3f}; for "
+              f"equal stages and free messages {r['bubble_formula']:.3f} "
+              f"({schedules.BUBBLE_LAWS[args.schedule]})")
     print(f"throughput {r['tokens_per_s']:,.0f} tokens/s")
     mem = {k[4:-6]: v for k, v in r.items() if k.startswith("mem_")}
     print("memory per rank: " + ", ".join(f"{k} {_gb(v)}" for k, v in mem.items())
           + ("" if r["fits"] else "  (does not fit)"))
+
+
+def _cut(schedule, r):
+    """The layers of each stage, or of each piece where a stage holds model chunks."""
+    if r["n_chunks"] == 1:
+        return f"layers per stage {r['partition']}"
+    held = "c*p + s" if schedule == "interleaved" else "s and 2p-1-s"
+    return f"layers per piece {r['partition']} (stage s holds pieces {held})"
 
 
 def _ms(seconds):
