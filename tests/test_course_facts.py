@@ -606,3 +606,29 @@ def test_lesson_6_exercise_5_is_the_replay():
     assert f"{sum(fwd):.2f} / 2\n= {sum(fwd) / 2:.2f} MFLOP" in text
     assert f"tends to {sum(fwd) / 2:.2f} / {fwd[1]:.2f} = {sum(fwd) / 2 / fwd[1]:.3f}" in text
     assert values[0][0] == 1.0 and min(r for r, _ in values) == values[1][0]
+
+
+def test_lesson_6_exercise_6_v_cut_numbers_are_the_plans():
+    """The V's pieces of the 6-block GPT, its stages' sums and the replayed idle shares of the
+    default cut and of the balanced one, as solutions/06 quotes them."""
+    from mpipar.engine import nn
+    from mpipar.parts import plan, schedules
+
+    text = " ".join((LESSONS / "solutions" / "06-performance.md").read_text().split())
+    flops = plan.layer_flops(nn.GPT(94, 64, 4, 6, 32), (8, 32))  # 32 rows / 4 micro-batches
+    assert plan.partition(flops, 4) == [2, 2, 2, 2] and plan.partition(flops, 2) == [4, 4]
+    idle = []
+    for cut in ([2, 2, 2, 2], [3, 2, 1, 2]):
+        piece = [sum(flops[lo:hi]) / 1e6 for lo, hi in plan.stage_bounds(cut)]
+        stages = [[piece[0], piece[3]], [piece[1], piece[2]]]  # rank r: pieces r and 2p-1-r
+        timeline = schedules.simulate(schedules.schedule("zb-v", 2, 4, 2), stages,
+                                      [[2 * f for f in s] for s in stages], placement="v")
+        idle.append(schedules.simulated_bubble(timeline))
+        sums = f"({sum(stages[0]):.2f} MFLOP)" if cut[0] == 3 else f"{sum(stages[0]):.2f} MFLOP"
+        assert sums in text, sums
+    piece = [sum(flops[lo:hi]) / 1e6 for lo, hi in plan.stage_bounds([2, 2, 2, 2])]
+    assert "forwards of " + ", ".join(f"{f:.2f}" for f in piece[:3]) + \
+        f" and {piece[3]:.2f} MFLOP" in text
+    assert f"idles {idle[1]:.3f} of the step, the default cut {idle[0]:.3f}" in text
+    assert f"a quarter of the step: the {idle[0]:.3f}" in text
+

@@ -36,7 +36,7 @@ def _bad_partition(a, n_pieces, task):
     names = layer_names(task)
     if len(counts) != n_pieces or min(counts) < 1 or sum(counts) != len(names):
         return (f"--partition {a.partition}: need {n_pieces} positive layer counts (one per "
-                f"stage, or per piece, stages x chunks, when interleaved) summing to "
+                f"stage, or per piece, stages x chunks, with model chunks) summing to "
                 f"{len(names)}, the model's layers: {', '.join(names)}")
     return None
 
