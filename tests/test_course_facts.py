@@ -632,3 +632,10 @@ def test_lesson_6_exercise_6_v_cut_numbers_are_the_plans():
     assert f"idles {idle[1]:.3f} of the step, the default cut {idle[0]:.3f}" in text
     assert f"a quarter of the step: the {idle[0]:.3f}" in text
 
+
+
+def test_lesson_9_link_times_are_the_formula():
+    """1 MiB x 8 / R at 1 Gbit/s and 100 Mbit/s, as lesson 9 gives them."""
+    text = " ".join((LESSONS / "09-cluster.md").read_text().split())
+    fast, slow = (8 * 2**20 / rate * 1e3 for rate in (1e9, 1e8))
+    assert f"= {fast:.2f} ms at 1 Gbit/s and {slow:.1f} ms at 100 Mbit/s" in text
