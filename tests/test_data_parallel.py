@@ -3,7 +3,7 @@ with and without synchronous sends; the command line reports what the serial tra
 bad input ends every rank with one message."""
 
 import pytest
-from conftest import MPI_SCRIPTS, assert_matches_serial, assert_refused
+from conftest import MPI_SCRIPTS, assert_matches_serial, assert_refused, run_mpi
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
@@ -18,6 +18,40 @@ def test_every_mode_with_synchronous_sends(mpirun, n):
     buffering a message can pass."""
     out = mpirun(n, [MPI_SCRIPTS / "dp_checks.py"], timeout=90, env={"MPIPAR_SSEND": "1"})
     assert f"dp checks passed on {n} ranks" in out.stdout
+
+
+def ring_check(n, script="ring_check.py", *args):
+    """ring_check.py's verdict line (or the run's error lines when it did not get that far)."""
+    proc = run_mpi(n, [MPI_SCRIPTS / script, *args], timeout=60, env={"MPIPAR_SSEND": "1"},
+                   check=False)
+    said = [line for line in proc.stdout.splitlines() if line.startswith("ring check:")]
+    hung = [f"deadlock: {line.strip()}" for line in proc.stderr.splitlines()
+            if "watchdog: waited" in line]
+    errors = [line for line in proc.stderr.splitlines() if "Error" in line]
+    return proc.returncode, (said or hung or errors or [proc.stderr.strip()[-300:]])[0]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_the_ring_alone_chunk_by_chunk(n):
+    """The student track's direct check of ring-allreduce: every rank's every chunk the sum,
+    2(P-1) Sendrecvs and nothing else, each sending what the docstring's ring sends."""
+    code, said = ring_check(n)
+    if said != f"ring check: passed (on {n} ranks, {4 * n + 1} values)" or code != 0:
+        raise AssertionError(said)  # the check's own sentence, as the grader shows it
+
+
+@pytest.mark.parametrize("kind, says", [
+    ("mean", "your result is 1/P of the sum (the mean over 4 ranks)"),
+    ("copy", "the buffer never changed: write the sum into buf in place"),
+    ("allreduce", "ring_allreduce called Allreduce: write the ring from Sendrecv alone"),
+    ("skip", "rank 0, chunk 0, element 0 holds the values of rank 3, not the sum of all 4; "
+             "first wrong send: rank 0, allgather step 1: sent chunk 1, but its element 5 "
+             "holds the values of rank 0; the ring's holds the values of ranks 0, 1, 2, 3"),
+    ("left", "ValueError: Sendrecv from "),
+])
+def test_the_ring_check_names_each_planted_mistake(kind, says):
+    code, said = ring_check(4, "ring_mistakes.py", kind)
+    assert code != 0 and says in said, said
 
 
 def test_command_line_matches_serial(mpirun, tmp_path, capsys):

@@ -73,10 +73,14 @@ def graded_with(tmp_path, exercise, right, wrong):
 
 def test_a_one_element_mistake_is_named(tmp_path):
     """The reference ring allreduce with one element of each received chunk left unsummed: it
-    trains, but not as the serial model does."""
+    would train, though not as the serial model does; the ring's own check names the rank,
+    chunk and element, and whose values it holds."""
     line = graded_with(tmp_path, "ring-allreduce", "        mine += got\n",
                        "        mine[:-1] += got[:-1]  # the last element never summed\n")
-    assert line.startswith("FAILED: first mismatching parameter "), line
+    assert line.startswith("FAILED: test_the_ring_alone_chunk_by_chunk[4]: "), line
+    assert "ring check: rank 0, chunk 0, element 4 holds the values of rank 3, not the sum of " \
+        "all 4; first wrong send: rank 0, reduce-scatter step 2: sent chunk 3, but its element " \
+        "16 holds the values of rank 0; the ring's holds the values of ranks 0, 3" in line, line
 
 
 def test_everyone_sends_then_receives_is_a_deadlock_named_with_its_rank_and_call(tmp_path):
@@ -91,7 +95,8 @@ def test_everyone_sends_then_receives_is_a_deadlock_named_with_its_rank_and_call
     wrong = ("        dp_comm.Send(send, right)  # everyone sends, then receives\n"
              "        dp_comm.Recv(got, left)\n")
     line = graded_with(tmp_path, "ring-allreduce", right, wrong)
-    assert line.startswith("FAILED: deadlock: [rank "), line
+    assert line.startswith("FAILED: test_the_ring_alone_chunk_by_chunk[4]: "), line
+    assert "deadlock: [rank " in line, line
     assert "watchdog: waited" in line and "in Send" in line, line
 
 

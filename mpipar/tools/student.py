@@ -16,8 +16,10 @@ bodies in DIR; the rest of the copy is the reference and does not change.
    parameter must agree within a relative error of 1e-10 (the tolerance of the tests); the
    first one that does not is named, with its relative error;
 2. before that, the existing tests named for the exercise, run by pytest: direct checks that
-   name what is wrong (the row-parallel layer against its dense twin, the exact 1F1B
-   instruction lists: a schedule that trains correctly in the wrong order is still wrong).
+   name what is wrong (the ring on its own, chunk by chunk: the first rank, chunk and element
+   whose sum is wrong, whose values it holds, and the first send that differs from the ring's;
+   the row-parallel layer against its dense twin; the exact 1F1B instruction lists: a schedule
+   that trains correctly in the wrong order is still wrong).
 An exercise passes when both pass. The exit code is the number of exercises that failed.
 Every run is made with synchronous sends (``MPIPAR_SSEND=1``: a send completes only when its
 receive has started, so "every rank sends, then receives" hangs here as it would with large
@@ -64,7 +66,8 @@ EXERCISES = [
         "ring-allreduce", "mpipar/data_parallel.py", ("ring_allreduce",),
         "sum `buf` over the ranks in place: P-1 reduce-scatter steps, then P-1 allgather "
         "steps, each one Sendrecv to the right neighbour and from the left (lesson 3)",
-        4, "data_parallel", ["--sync", "ring"], MLP, ()),
+        4, "data_parallel", ["--sync", "ring"], MLP,
+        ("tests/test_data_parallel.py::test_the_ring_alone_chunk_by_chunk[4]",)),
     Exercise(
         "overlap-hook", "mpipar/data_parallel.py", ("GradSync.grads_ready",),
         "count the parameters whose gradients are final; with overlap, launch every bucket "
