@@ -197,7 +197,7 @@ def against_bare(res):
 def plot(rows, path):
     plt = pyplot()
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5.4))
     n_cores = cores()
     top = max(RANKS)
     for ax, key, title in ((axes[0], "speedup", "speedup over 1 rank"),
@@ -211,14 +211,14 @@ def plot(rows, path):
         ax.axvspan(n_cores + 0.5, top + 0.3, color="gray", alpha=0.12, lw=0)
         ax.text(n_cores, ax.get_ylim()[1], f" {n_cores} cores", fontsize=8, color="gray",
                 va="top")
-        ax.text(top + 0.25, ax.get_ylim()[0], "oversubscribed\n(ranks > cores) ", fontsize=8,
-                color="gray", ha="right", va="bottom")
+        ax.text(top + 0.25, ax.get_ylim()[1], "oversubscribed\n(ranks > cores) ", fontsize=8,
+                color="gray", ha="right", va="top")  # above the lines, which fall there
         ax.set_xticks(RANKS)
         ax.set_xlim(0.8, top + 0.3)
         ax.set_xlabel("ranks (P)")
         ax.set_title(title)
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3)
+        ax.grid(alpha=0.3)  # the legends below the panels: none covers a point
     at2 = [r for r in rows if r["ranks"] == 2]
     x = range(len(at2))
     bars = (("grad_comm_ms", "MPI calls (min over ranks)"),
@@ -237,7 +237,7 @@ def plot(rows, path):
     axes[2].set_xticklabels(ticks, fontsize=7)
     axes[2].set_ylabel("ms per step")
     axes[2].set_title("gradient communication, 2 ranks")
-    axes[2].legend(fontsize=7, loc="upper right")
+    axes[2].legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2)
     fig.suptitle(f"data parallelism: MLP {SIZES}, batch {BATCH}, float32, 1 BLAS thread/rank")
     save_figure(fig, path)
     return path

@@ -344,7 +344,8 @@ def plot_memory(rows, path, p, m):
     ax.set_ylabel("peak stashed activations (MiB)")
     ax.set_title(f"activation memory per stage, P = {p}, m = {m}: GPipe stashes m, 1F1B p - r, "
                  "ZB-H1 p on every stage", fontsize=10)
-    ax.legend(fontsize=8)
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.35)  # headroom: the legend above the tallest bars
+    ax.legend(fontsize=8, loc="upper right")
     ax.grid(axis="y", alpha=0.3)
     save_figure(fig, path)
     return path
