@@ -135,22 +135,23 @@ def plot_scaling(rows, path):
         xs = [p for p, _, _ in pts]
         line, = ax1.plot(xs, [s for _, s, _ in pts], "o-", label=name)
         ax2.plot(xs, [s / p for p, s, _ in pts], "o-", color=line.get_color())
-        for p, s, over in pts:
-            if over:
-                ax1.annotate("oversubscribed", (p, s), fontsize=7, xytext=(4, -3),
-                             textcoords="offset points", color=line.get_color())
+    over = [r["ranks"] for r in rows if r["oversubscribed"]]
     ax1.plot([1, top], [1, top], "k--", lw=1, label="ideal")
     ax2.plot([1, top], [1, 1], "k--", lw=1)
     for ax in (ax1, ax2):
+        if over:  # one shaded band and one label, not a label per line
+            ax.axvspan(cores() + 0.5, top + 0.3, color="gray", alpha=0.12, lw=0)
+            ax.text(top + 0.25, ax.get_ylim()[1], "oversubscribed\n(ranks > cores) ",
+                    fontsize=8, color="gray", ha="right", va="top")
         ax.axvline(cores(), color="gray", ls=":", lw=1)
-        ax.text(cores(), ax.get_ylim()[1] * 0.95, f" {cores()} cores", fontsize=8, color="gray",
-                va="top")
+        ax.text(cores(), ax.get_ylim()[0], f" {cores()} cores", fontsize=8, color="gray",
+                va="bottom")
         ax.set_xlabel("ranks")
         ax.set_xticks(sorted({r["ranks"] for r in rows}))
         ax.grid(alpha=0.3)
     ax1.set_ylabel("speedup over 1 rank")
     ax2.set_ylabel("efficiency (speedup / ranks)")
-    ax1.legend(fontsize=8)
+    ax1.legend(fontsize=8, loc="upper left")  # where no point is: the cores' label is below
     fig.suptitle("Speedup of each scheme on this machine "
                  "(beyond the core count, ranks share cores)")
     save_figure(fig, path)

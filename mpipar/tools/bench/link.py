@@ -648,12 +648,19 @@ def plot(rows, path):
     return save_figure(fig, path)
 
 
+def colour(mode):
+    """One colour per mode or scheme, the same in every panel of the picture."""
+    names = [*MODES, *OTHERS]
+    return f"C{names.index(mode) % 10}" if mode in names else "gray"
+
+
 def speedup_panel(ax, rows, rates):
     """Each mode's and scheme's speedup over the serial step against the link's rate (log),
     with the break-even line: below it two hosts train slower than one process."""
     for mode in dict.fromkeys(r["mode"] for r in rows):
         at = {r["bandwidth"]: r["speedup"] for r in rows if r["mode"] == mode}
-        ax.plot(range(len(rates)), [at[rate] for rate in rates], "o-", label=mode)
+        ax.plot(range(len(rates)), [at[rate] for rate in rates], "o-", label=mode,
+                color=colour(mode))
     ax.axhline(1.0, color="black", lw=1, ls="--", label="one process")
     ax.set_yscale("log")
     ax.set_xticks(range(len(rates)))
@@ -673,13 +680,12 @@ def bars(ax, rows, modes, rates):
         at = {r["bandwidth"]: r for r in rows if r["mode"] == mode}
         xs = [i + (j - (len(modes) - 1) / 2) * width for i in range(len(rates))]
         step = [at[rate]["seconds"] * 1e3 for rate in rates]
-        drawn = ax.bar(xs, step, width, label=f"{mode}: measured step", alpha=0.75)
-        color = drawn.patches[0].get_facecolor()
+        ax.bar(xs, step, width, label=f"{mode}: measured step", alpha=0.75, color=colour(mode))
         ax.bar(xs, [max(at[rate]["exposed_seconds"], 0) * 1e3 for rate in rates], width,
                fill=False, hatch="//", edgecolor="black", lw=0,
                label="exposed communication" if j == len(modes) - 1 else None)
         ax.plot(xs, [at[rate]["predicted_seconds"] * 1e3 for rate in rates], "o-", ms=5,
-                color=color[:3], markeredgecolor="black", label=f"{mode}: predicted")
+                color=colour(mode), markeredgecolor="black", label=f"{mode}: predicted")
         for x, rate in zip(xs, rates):
             ax.annotate(f"{100 * at[rate]['prediction_error']:+.0f}%",
                         (x, at[rate]["predicted_seconds"] * 1e3), fontsize=7, ha="center",
