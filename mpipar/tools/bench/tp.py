@@ -254,9 +254,10 @@ def plot(rows, path):
             if value in (None, ""):
                 continue
             text = f"{label}: pays off from h = {value:.0f} ({what})"
-            if what == "measured" and two[0]["speedup"] >= 1.0:
+            everywhere = what == "measured" and two[0]["speedup"] >= 1.0
+            if everywhere:  # no crossover to draw: the first point already pays off
                 text = f"{label}: pays off at every h measured ({what})"
-            if value >= min(h):
+            if value > min(h) and not everywhere:
                 ax2.axvline(value, color=color, linestyle=style, linewidth=1, label=text)
             else:  # off the measured range: in the legend only
                 ax2.plot([], [], color=color, linestyle=style, linewidth=1, label=text)
