@@ -50,7 +50,9 @@ def ring_panel(ax, plt, state, sent):
             ax.text(c + 0.5, r + 0.5, label, ha="center", va="center", fontsize=8,
                     color="white" if n > p // 2 else "black")
     for r, c in enumerate(sent or []):
-        ax.add_patch(plt.Rectangle((c, r), 1, 1, fill=False, ec="#C44E52", lw=2))
+        inset = 0.07  # inside the cell: the outlines of neighbouring sends stay apart
+        ax.add_patch(plt.Rectangle((c + inset, r + inset), 1 - 2 * inset, 1 - 2 * inset,
+                                   fill=False, ec="#C44E52", lw=2.4, zorder=3))
         ax.annotate("", xy=(c + 0.5, (r + 1) % p + 0.15), xytext=(c + 0.5, r + 0.85),
                     arrowprops=dict(arrowstyle="->", color="#C44E52", lw=1.2,
                                     connectionstyle="arc3,rad=0.5" if r == p - 1 else "arc3"))
