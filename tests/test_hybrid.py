@@ -42,7 +42,7 @@ def test_command_line_matches_serial_with_synchronous_sends(mpirun, tmp_path, ca
             assert out.count(f"[rank {rank}] HY Step {step}:") == 1, (rank, step)
         assert out.count(f"[rank {rank}] HY Step 7:") == (rank < 4), rank
     # every call names the world rank and the group rank (rank 5 is dp 1, pp 0, tp 1)
-    assert "[rank 5, dp 1] Allreduce" in out and "[rank 1, tp 1] Allreduce" in out
+    assert "[rank 5, dp 1] Iallreduce done" in out and "[rank 1, tp 1] Allreduce" in out
     assert "[rank 2, pp 1] Send" in out and "[rank 2, pp 1] Isend posted" in out
 
 

@@ -88,9 +88,12 @@ TO, FROM = lru_cache(None)("-> rank {}".format), lru_cache(None)("<- rank {}".fo
 class Request:
     """A posted non-blocking call; ``wait()`` completes it (without spinning) and records it."""
 
-    def __init__(self, comm, mpi_request, op, detail, nbytes, finish=None, what="", source=None):
+    def __init__(self, comm, mpi_request, op, detail, nbytes, finish=None, what="", source=None,
+                 posted=False):
         self.comm, self.mpi_request, self.what, self.source = comm, mpi_request, what, source
         self.op, self.detail, self.nbytes, self.finish = op, detail, nbytes, finish
+        # --explain names a posted call's completion "Isend done", a blocking one "Send"
+        self.shown = f"I{op.lower()} done" if posted else op
         self.t0, self.status = _now(), MPI.Status()
         # complete: MPI has finished the transfer; done: wait() has checked, copied back, recorded
         self.complete = self.done = False
@@ -116,7 +119,7 @@ class Request:
                 self.complete = True
             if self.finish is not None:
                 self.finish(self.status)
-            self.comm._record(self.op, self.detail, self.nbytes, self.t0, self.what)
+            self.comm._record(self.op, self.detail, self.nbytes, self.t0, self.what, self.shown)
             self.done = True
         return self.status
 
@@ -145,25 +148,22 @@ class Comm(PickledCalls):
         return self._stats
 
     def _count(self, op, sent=0, recv=0, messages=0, calls=1):
-        s = self._stats[op]
-        s["calls"] += calls
-        s["sent"] += int(sent)
-        s["recv"] += int(recv)
-        s["messages"] += messages
+        for key, n in (("calls", calls), ("sent", sent), ("recv", recv), ("messages", messages)):
+            self._stats[op][key] += int(n)
 
-    def _record(self, op, detail, nbytes, t0, what=""):
+    def _record(self, op, detail, nbytes, t0, what="", shown=None):
         FLIGHT.recent.append((_now(), self.name, op, detail, what))
         if TRACE.calls or EXPLAIN:
-            self._trace(op, detail, nbytes, t0, what)
+            self._trace(op, detail, nbytes, t0, what, shown or op)
 
-    def _trace(self, op, detail, nbytes, t0, what):
+    def _trace(self, op, detail, nbytes, t0, what, shown=None):
         """A span per call (TRACE.calls) and the --explain line: both off in a plain run."""
         t1 = _now()
         if TRACE.calls:
             TRACE.events.append((t0, t1, "comm", op,
                                  {"comm": self.name, "detail": detail, "bytes": nbytes}))
         if EXPLAIN:
-            explain.completed(self, op, detail, nbytes, t1 - t0, what)
+            explain.completed(self, shown or op, detail, nbytes, t1 - t0, what)
 
     def say(self, text):
         """With --explain: one line prefixed by the world rank and this group's rank."""
@@ -204,7 +204,7 @@ class Comm(PickledCalls):
         if posted:
             self.posted("Isend", detail, buf.nbytes, what)
         return Request(self, post(B.host(buf), dest=dest, tag=tag), "Send", detail, buf.nbytes,
-                       what=what)
+                       what=what, posted=posted)
 
     def Recv(self, buf, source, tag=0, what=""):
         """Receive into ``buf`` (:meth:`Irecv`, completed by :func:`wait`); a message of any
@@ -225,7 +225,7 @@ class Comm(PickledCalls):
         if posted:
             self.posted("Irecv", detail, buf.nbytes, what)
         req = self.mpi.Irecv(host, source=source, tag=tag)
-        return Request(self, req, "Recv", detail, buf.nbytes, finish, what, source)
+        return Request(self, req, "Recv", detail, buf.nbytes, finish, what, source, posted)
 
     def Sendrecv(self, sendbuf, dest, recvbuf, source, tag=0, what=""):
         """Send to ``dest`` and receive from ``source`` at once: cannot deadlock in a ring. A
@@ -293,7 +293,7 @@ class Comm(PickledCalls):
             self.posted("Iallreduce", f"all <-> all ({self.size})", buf.nbytes, what)
         req = self.mpi.Iallreduce(MPI.IN_PLACE, host, op=op)
         return Request(self, req, "Allreduce", f"all <-> all ({self.size})", buf.nbytes,
-                       lambda status: B.copy_back(host, dev), what)
+                       lambda status: B.copy_back(host, dev), what, posted=posted)
 
     def Allgather(self, sendbuf, recvbuf, what=""):
         """recvbuf (size * len(sendbuf) along axis 0) = every rank's sendbuf, in rank order."""
