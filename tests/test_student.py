@@ -172,8 +172,10 @@ def test_an_exercise_that_exits_fails_and_grading_goes_on(tmp_path):
     proc, lines = grade(copy, "ring-allreduce", "f-backward")
     assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr, \
         proc.stdout + proc.stderr
-    assert lines == {"ring-allreduce": "FAILED: exited early (exit code 0, and no parameters "
-                                       "saved): exercise code must return, not call sys.exit()",
+    assert lines == {"ring-allreduce": "FAILED: test_the_ring_alone_chunk_by_chunk[4]: "
+                                       "AssertionError: exited early (exit code 0 before the "
+                                       "check's verdict): exercise code must return, not call "
+                                       "sys.exit()",
                      "f-backward": "FAILED: not written yet (NotImplementedError)"}, proc.stdout
 
 
