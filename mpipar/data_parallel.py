@@ -256,6 +256,11 @@ class ZeroOptimizer:
     """
 
     def __init__(self, dp_comm, params, make_opt, grad_sum="fp32"):
+        """The bookkeeping: ``flat`` and ``flat_grad``, P * ``shard_size`` values each (the
+        padding zero), hold every parameter's data and gradient end to end, and each ``p.data``
+        and ``p.grad`` becomes a view into them; ``shard`` is this rank's block, a
+        :class:`FlatBlock` split over the replicas (``Placement([dp_comm])``) and
+        named ``zero1.shard<rank>``; ``opt`` is ``make_opt([shard])``."""
         self.comm, self.params, self.grad_sum = dp_comm, list(params), grad_sum
         self.n = sum(p.size for p in self.params)
         self.shard_size = s = -(-self.n // dp_comm.size)  # ceil(n / P)
@@ -398,6 +403,11 @@ class MasterScheme(Replica):
         return [self.flat, self.flat_sum]  # flat_sum: the Reduce's
 
     def step(self, step):
+        """Steps 2 to 5 for the global batch of ``step``; returns the global loss. The master
+        makes the batch (``task.batch``) and scatters ``self.rows`` rows to each rank (the
+        other ranks learn the rows' trailing shapes and dtypes once); every rank runs
+        :meth:`forward_backward` on its rows; Reduce sums the flat gradients on the master,
+        which steps its optimizer; :func:`bcast_params` sends the new parameters to all."""
         dp_comm, r = self.comm, self.rank
         self.model.zero_grad()
 

@@ -59,6 +59,24 @@ def test_exact_1f1b_three_stages_four_micro_batches():
     ]
 
 
+def test_1f1b_runs_for_every_p_and_m_and_keeps_its_stash():
+    """The student track's first check of a 1F1B list: simulated for every (p, m) of CASES,
+    so that a wrong order is named as the simulator finds it (the stage, the instruction);
+    then each stage's forwards before its first backward, which is its peak stash."""
+    for p, m in CASES:
+        lists = schedule("1f1b", p, m)
+        try:
+            simulate(lists)
+        except ScheduleError as err:
+            raise AssertionError(f"{p} stages, {m} micro-batches: {err}") from None
+        for r, ins in enumerate(lists):
+            first_b = next((i for i, x in enumerate(ins) if isinstance(x, Backward)), len(ins))
+            ahead = sum(isinstance(x, Forward) for x in ins[:first_b])
+            assert ahead == min(p - r, m), (
+                f"{p} stages, {m} micro-batches, stage {r}: {ahead} forwards before the first "
+                f"backward; 1F1B runs min(p - r, m) = {min(p - r, m)} (its peak stash)")
+
+
 def test_single_stage_has_no_messages():
     for name in ONE_CHUNK:
         ins = schedule(name, 1, 3)[0]

@@ -3,6 +3,7 @@ passes every one, a one-element mistake is caught and named by the parameter it 
 exercise passes by its own code while another that it calls is still a stub."""
 
 import ast
+import re
 import subprocess
 import sys
 
@@ -39,7 +40,8 @@ def test_every_exercise_is_a_stub_with_its_task_and_docstring(copy):
             assert ast.get_docstring(node) == ast.get_docstring(before), name
             body = [n for n in node.body if not isinstance(n, ast.Expr)]
             assert len(body) == 1 and isinstance(body[0], ast.Raise), (ex.name, name)
-            assert f"exercise {ex.name}:" in ast.unparse(body[0])
+            named = ast.unparse(body[0]).split(":")[0]  # exercise NAME (part of LARGER)
+            assert re.search(rf"(?<![\w-]){re.escape(ex.name)}(?![\w-])", named), named
     untouched = (ROOT / "mpipar" / "engine" / "nn.py").read_text()
     assert (copy / "mpipar" / "engine" / "nn.py").read_text() == untouched
 
@@ -142,12 +144,62 @@ def test_each_exercise_is_graded_on_its_own(tmp_path):
     student.make(copy)
     source = student.restore_source((copy / path).read_text(), (ROOT / path).read_text(),
                                     student.find("row-parallel").functions)
-    assert "exercise g-forward:" in source and "exercise row-parallel:" not in source
+    assert "exercise g-forward (part of tp-mlp):" in source and "exercise row-parallel" not in \
+        source
     (copy / path).write_text(source)
-    proc, lines = grade(copy, "row-parallel", "g-forward")
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert lines == {"row-parallel": "passed",
-                     "g-forward": "FAILED: not written yet (NotImplementedError)"}, proc.stdout
+    proc, lines = grade(copy, "row-parallel", "g-forward", "tp-mlp")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert lines == {"row-parallel": "passed",  # the MLP block, of which it is part, is not
+                     "g-forward": "FAILED: not written yet (NotImplementedError)",
+                     "tp-mlp": "FAILED: not written yet (NotImplementedError)"}, proc.stdout
+
+
+def test_a_function_of_several_exercises_is_restored_once():
+    """RowParallelLinear.forward is part of row-parallel and of tp-mlp: grading f-backward
+    restores it once from the reference (twice, the second span would cut the file)."""
+    path = "mpipar/parts/tp_layers.py"
+    reference = (ROOT / path).read_text()
+    stubbed = student.stub_source(reference, ["RowParallelLinear.forward", "CopyToTP.forward"],
+                                  "exercise: write it")
+    assert student.restore_source(stubbed, reference, ["CopyToTP.forward",
+                                                       "RowParallelLinear.forward"]) == reference
+
+
+def test_the_seed_without_step_5_is_caught(tmp_path):
+    """The master updates, but never broadcasts the new parameters: the workers compute the
+    second step's gradients on the first step's model, and rank 0's parameters leave the
+    serial ones."""
+    line = graded_with(tmp_path, "seed-dp",
+                       "            bcast_params(dp_comm, self.params, self.flat, root=0)\n"
+                       "        return self.global_loss(loss)\n",
+                       "            pass  # Step 5 forgotten\n"
+                       "        return self.global_loss(loss)\n")
+    assert line.startswith("FAILED: first mismatching parameter "), line
+
+
+@pytest.mark.parametrize("wrong, said", [
+    ("            unflatten(self.flat_sum / dp_comm.size, [p.grad for p in self.params])\n"
+     "            self.opt.step()\n",
+     "; they moved 1/3 as far as the serial ones (0.352 of the way): a sum taken as a mean "
+     "somewhere?"),
+    ("            unflatten(self.flat_sum, [p.grad for p in self.params])\n",
+     "; the parameters never changed: no update reached them"),
+])
+def test_the_seed_s_usual_slips_are_named_by_how_far_the_parameters_moved(tmp_path, wrong, said):
+    """The sum divided by P (a mean: plain SGD then moves 1/P as far), and a master that
+    never steps its optimizer (nothing moves): the mismatch says which."""
+    line = graded_with(tmp_path, "seed-dp",
+                       "            unflatten(self.flat_sum, [p.grad for p in self.params])\n"
+                       "            self.opt.step()\n", wrong)
+    assert line.startswith("FAILED: first mismatching parameter ") and line.endswith(said), line
+
+
+def test_an_mlp_block_whose_g_sums_its_gradient_too_is_named_by_the_layer_test(tmp_path):
+    """g's backward written as an Allreduce (f's): every gradient before it is t times the
+    serial one; the layer test against the dense twin names it before any training."""
+    line = graded_with(tmp_path, "tp-mlp", "    def backward(self, dy):\n        return dy\n",
+                       "    def backward(self, dy):\n        return allreduce(self.tp_comm, dy)\n")
+    assert line.startswith("FAILED: test_each_layer_matches_its_dense_twin[2]: "), line
 
 
 def test_bad_input(tmp_path):
@@ -173,7 +225,7 @@ def test_an_exercise_that_exits_fails_and_grading_goes_on(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr, \
         proc.stdout + proc.stderr
     assert lines == {"ring-allreduce": "FAILED: test_the_ring_alone_chunk_by_chunk[4]: "
-                                       "AssertionError: exited early (exit code 0 before the "
+                                       "exited early (exit code 0 before the "
                                        "check's verdict): exercise code must return, not call "
                                        "sys.exit()",
                      "f-backward": "FAILED: not written yet (NotImplementedError)"}, proc.stdout

@@ -14,12 +14,15 @@ bodies in DIR; the rest of the copy is the reference and does not change.
 1. the training command that runs the exercise's code (``mpirun -n P python -m mpipar.<scheme>``)
    saves its parameters, the serial trainer with the same flags saves its own, and every
    parameter must agree within a relative error of 1e-10 (the tolerance of the tests); the
-   first one that does not is named, with its relative error;
+   first one that does not is named, with its relative error, and with how far the run's
+   parameters moved from where both began against the serial ones: not at all, or 1/P or P
+   times as far (a sum taken as a mean, or a mean as a sum);
 2. before that, the existing tests named for the exercise, run by pytest: direct checks that
    name what is wrong (the ring on its own, chunk by chunk: the first rank, chunk and element
    whose sum is wrong, whose values it holds, and the first send that differs from the ring's;
-   the row-parallel layer against its dense twin; the exact 1F1B instruction lists: a schedule
-   that trains correctly in the wrong order is still wrong).
+   the row-parallel layer against its dense twin; the 1F1B lists of every stage count up to
+   6 and micro-batch count up to 9 simulated, then the exact lists: a schedule that trains
+   correctly in the wrong order is still wrong).
 An exercise passes when both pass. The exit code is the number of exercises that failed.
 Every run is made with synchronous sends (``MPIPAR_SSEND=1``: a send completes only when its
 receive has started, so "every rank sends, then receives" hangs here as it would with large
@@ -155,14 +158,24 @@ def make(target):
 def write_copy(target):
     """The project copied into ``target``, each exercise's functions replaced by stubs."""
     copy_project(ROOT, target)
-    by_file = {}
-    for ex in EXERCISES:
-        by_file.setdefault(ex.path, []).append(ex)
-    for path, exercises in by_file.items():
+    for path in EXERCISE_FILES:
         source = (target / path).read_text()
-        for ex in exercises:
-            source = stub_source(source, ex.functions, f"exercise {ex.name}: {ex.task}")
+        for function, message in stub_messages(path).items():
+            source = stub_source(source, [function], message)
         (target / path).write_text(source)
+
+
+def stub_messages(path):
+    """The stub's message for each function of ``path`` that an exercise names: the task of
+    the first exercise that names it, and the names of the larger ones it is also part of."""
+    owners = {}
+    for ex in EXERCISES:
+        for function in ex.functions if ex.path == path else ():
+            owners.setdefault(function, []).append(ex.name)
+    tasks = {ex.name: ex.task for ex in EXERCISES}
+    return {function: f"exercise {names[0]}"
+            + (f" (part of {', '.join(names[1:])})" if names[1:] else "") + f": {tasks[names[0]]}"
+            for function, names in owners.items()}
 
 
 # ----------------------------------------------------------------------------- grade
@@ -194,7 +207,7 @@ def why(proc):
     if exits:
         return exited(exits[0])
     found = [line for line in lines if re.match(r"(E +)?\w+(Error|Exception)\b|error:", line)]
-    return (found or lines or [f"exit code {proc.returncode}"])[0].removeprefix("E").strip()
+    return re.sub(r"^E +", "", (found or lines or [f"exit code {proc.returncode}"])[0]).strip()
 
 
 def exited(detail):
@@ -225,7 +238,9 @@ def isolate(ex, copy, scratch):
     function, stays as it is: the run names its error."""
     restored = {}
     for path in EXERCISE_FILES:
-        others = [f for e in EXERCISES if e.path == path and e is not ex for f in e.functions]
+        others = list(dict.fromkeys(  # once each; a larger exercise's own parts stay as written
+            f for e in EXERCISES if e.path == path and e is not ex for f in e.functions
+            if f not in ex.functions))
         try:
             source = (copy / path).read_text()
             text = restore_source(source, (ROOT / path).read_text(), others)
@@ -266,7 +281,36 @@ def check_training(ex, folder, scratch):
             return ("the serial reference failed: "
                     + (why(proc) if proc.returncode else exited(NOTHING_SAVED)))
     with np.load(saved) as got, np.load(serial) as want:
-        return first_mismatch(dict(got), dict(want))
+        got, want = dict(got), dict(want)
+    problem = first_mismatch(got, want)
+    if problem is None or not problem.startswith("first mismatching"):
+        return problem
+    start = scratch / f"start-{'-'.join(ex.model)}.npz"  # the parameters before any update:
+    if not start.exists():  # a step of 1e-300 times the gradient rounds away in float64
+        run([sys.executable, "-m", "mpipar.serial", *shared, "--steps", "1", "--lr", "1e-300",
+             "--save-params", str(start)], folder)
+    if start.exists():
+        with np.load(start) as init:
+            problem += how_far(got, want, dict(init), ex.ranks)
+    return problem
+
+
+def how_far(got, want, start, ranks):
+    """What the run's parameters did, against the serial run's, from where both began: the
+    ends of a sentence. Nothing moved: no update reached them; moved 1/P or P times as far
+    (plain SGD moves with the gradient): a sum taken as a mean, or a mean as a sum."""
+    names = [n for n in want if n in start and start[n].shape == want[n].shape]
+    moved = np.concatenate([(np.asarray(got[n]) - start[n]).ravel() for n in names])
+    serial = np.concatenate([(np.asarray(want[n]) - start[n]).ravel() for n in names])
+    if np.max(np.abs(moved)) < 1e-200:  # (a zero bias took the 1e-300 step: 1e-300 * grad)
+        return "; the parameters never changed: no update reached them"
+    share = float(moved @ serial / max(serial @ serial, 1e-300))  # how far along the serial's
+    for factor, words in ((1 / ranks, f"1/{ranks}"), (ranks, f"{ranks} times")):
+        if abs(share / factor - 1) < 0.1:
+            return (f"; they moved {words} as far as the serial ones ({share:.3f} of the way): "
+                    f"{'a sum taken as a mean' if factor < 1 else 'a mean taken as a sum'} "
+                    f"somewhere?")
+    return ""
 
 
 def check_tests(ex, folder):
@@ -285,7 +329,9 @@ def check_tests(ex, folder):
         return f"{ex.tests[0].split('::')[-1]}: {why(proc)}"
     noise = re.compile(r"(File |Traceback|Abort\(|Failed: `|--- |\^+$|assert err <=)")
     rest = [line for line in diff if line and line != said[0] and not noise.match(line)]
-    return f"{ex.tests[0].split('::')[-1]}: " + "\n".join([said[0], *rest])
+    failed = re.search(r"(?:FAILED|ERROR) \S+::(\S+)", proc.stdout)  # the test that failed
+    name = failed[1] if failed else ex.tests[0].split("::")[-1]
+    return f"{name}: " + "\n".join([said[0].removeprefix("AssertionError: "), *rest])
 
 
 def grade(copy, names=()):
@@ -330,7 +376,8 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.command == "list":
         for ex in EXERCISES:
-            print(f"{ex.name:16s} {ex.path} > {', '.join(ex.functions)}\n{'':16s} {ex.task}")
+            print(f"{ex.name:16s} about {ex.minutes} min, {ex.path} > "
+                  f"{', '.join(ex.functions)}\n{'':16s} {ex.task}")
     elif a.command == "make":
         make(a.dir)
     else:
