@@ -639,3 +639,48 @@ def test_lesson_9_link_times_are_the_formula():
     text = " ".join((LESSONS / "09-cluster.md").read_text().split())
     fast, slow = (8 * 2**20 / rate * 1e3 for rate in (1e9, 1e8))
     assert f"= {fast:.2f} ms at 1 Gbit/s and {slow:.1f} ms at 100 Mbit/s" in text
+
+
+def test_lesson_3_zero1_exercise_blocks_are_the_model_s():
+    """Lesson 3's exercise 9 and its solution: the student track's MLP has 1,754 parameters,
+    3 blocks of 585 on 3 ranks, one value of padding."""
+    from mpipar import serial
+    from mpipar.tools.exercises import ZERO_MLP, find
+
+    args = cli.parse_args("serial", ZERO_MLP)
+    n = sum(p.data.size for p in serial.Task(args).build_model().init(0).parameters())
+    ranks = find("zero1-shards").ranks
+    block = -(-n // ranks)
+    assert (n, ranks, block, ranks * block - n) == (1_754, 3, 585, 1)
+    text = flat(lesson("03-") + (LESSONS / "solutions" / "03-data-parallel.md").read_text())
+    assert "1,754 parameters make 3 blocks of 585 and one value of padding" in text
+    assert "1,754 values on 3 ranks are 3 blocks of 585" in text
+
+
+def test_every_exercise_is_graded_in_a_lesson_at_its_table_s_minutes():
+    """Each student exercise is named in one lesson exercise's grade command, with the minutes
+    of :mod:`mpipar.tools.exercises` ("about N" or "about an hour", the only time of its item
+    or the one beside its function), and the lessons README counts the small and the larger
+    ones as the table does."""
+    from mpipar.tools.exercises import EXERCISES
+
+    items = [(p.name, flat(item)) for p in sorted(LESSONS.glob("[0-9]*.md"))
+             for item in re.split(r"\n(?=\d+\. )", p.read_text())]
+    for ex in EXERCISES:
+        where = [(name, item) for name, item in items if re.search(
+            rf"student grade \.\./my-mpipar [\w -]*\b{re.escape(ex.name)}(?![\w-])", item)]
+        assert len(where) == 1, f"{ex.name} is graded in {[n for n, _ in where] or 'no lesson'}"
+        name, item = where[0]
+        times = re.findall(r"about (an hour|\d+)", item)
+        said = "an hour" if ex.minutes == 60 else str(ex.minutes)
+        function = re.escape(ex.functions[-1].split(".")[-1])
+        beside = re.search(rf"{function}`?, about (an hour|\d+)", item)
+        got = beside[1] if beside else times[0] if len(times) == 1 else None
+        assert got == said, f"{name}: {ex.name} takes about {said} minutes, the lesson says {got}"
+    large = [ex.minutes for ex in EXERCISES if ex.name.endswith(("-dp", "-shards", "-mlp"))]
+    small = [ex.minutes for ex in EXERCISES if not ex.name.endswith(("-dp", "-shards", "-mlp"))]
+    words = {3: "Three", 9: "Nine"}
+    readme = flat((LESSONS / "README.md").read_text())
+    assert (f"{words[len(small)]} exercises write the core of one piece each "
+            f"({min(small)} to {max(small)} minutes)") in readme
+    assert f"{words[len(large)]} build a scheme ({min(large)} to {max(large)} minutes)" in readme

@@ -68,12 +68,12 @@ def test_1f1b_runs_for_every_p_and_m_and_keeps_its_stash():
         try:
             simulate(lists)
         except ScheduleError as err:
-            raise AssertionError(f"{p} stages, {m} micro-batches: {err}") from None
+            raise AssertionError(f"p = {p}, m = {m}: {err}") from None
         for r, ins in enumerate(lists):
             first_b = next((i for i, x in enumerate(ins) if isinstance(x, Backward)), len(ins))
             ahead = sum(isinstance(x, Forward) for x in ins[:first_b])
             assert ahead == min(p - r, m), (
-                f"{p} stages, {m} micro-batches, stage {r}: {ahead} forwards before the first "
+                f"p = {p}, m = {m}, stage {r}: {ahead} forwards before the first "
                 f"backward; 1F1B runs min(p - r, m) = {min(p - r, m)} (its peak stash)")
 
 

@@ -59,6 +59,11 @@ def test_the_stubs_fail_and_the_reference_passes(copy):
     assert f"{len(student.EXERCISES)} of {len(student.EXERCISES)} exercises passed" in proc.stdout
 
 
+def solution(name):
+    """A worked solution's text, its lines joined by single spaces."""
+    return " ".join((ROOT / "lessons" / "solutions" / name).read_text().split())
+
+
 def graded_with(tmp_path, exercise, right, wrong):
     """The grade of ``exercise`` in a fresh copy whose file holds the reference with the one
     line(s) ``right`` replaced by ``wrong``."""
@@ -192,6 +197,36 @@ def test_the_seed_s_usual_slips_are_named_by_how_far_the_parameters_moved(tmp_pa
                        "            unflatten(self.flat_sum, [p.grad for p in self.params])\n"
                        "            self.opt.step()\n", wrong)
     assert line.startswith("FAILED: first mismatching parameter ") and line.endswith(said), line
+    quoted = re.search(r"(they moved .* way\)|the parameters never changed)", said)[0]
+    assert f'"{quoted}' in solution("03-data-parallel.md"), quoted  # as the solution quotes it
+
+
+def test_zero1_with_copies_where_views_belong_never_changes_the_model(tmp_path):
+    """Each parameter a copy of its slice of the flat buffer, not a view: the shard is updated
+    and allgathered into the flat buffer, which the model never reads."""
+    line = graded_with(tmp_path, "zero1-shards",
+                       "            p.data = self.flat[start:start + p.size].reshape(p.shape)  "
+                       "# views: no copy\n",
+                       "            p.data = self.flat[start:start + p.size].reshape(p.shape)"
+                       ".copy()\n")
+    assert line.startswith("FAILED: first mismatching parameter ") and line.endswith(
+        "; the parameters never changed: no update reached them"), line
+
+
+def test_a_1f1b_backward_before_its_forward_is_named_by_the_simulation(tmp_path):
+    """Each steady-state pair written B then F: the simulation of the smallest case names the
+    stage and the instruction, before any exact list is compared."""
+    line = graded_with(tmp_path, "1f1b",
+                       "    for i in range(n_micro - warmup):  # steady state: micro-batch "
+                       "warmup+i in, micro-batch i out\n"
+                       "        out += _forward(n_stages, stage, warmup + i) + "
+                       "_backward(n_stages, stage, i)\n",
+                       "    for i in range(n_micro - warmup):\n"
+                       "        out += _backward(n_stages, stage, i) + "
+                       "_forward(n_stages, stage, warmup + i)\n")
+    assert line == ("FAILED: test_1f1b_runs_for_every_p_and_m_and_keeps_its_stash: p = 1, m = 1: "
+                    "stage 0: B0 before its forward or its output's gradient (or twice)"), line
+    assert line.split(": ", 2)[2] in solution("05-pipeline-parallel.md")  # as quoted there
 
 
 def test_an_mlp_block_whose_g_sums_its_gradient_too_is_named_by_the_layer_test(tmp_path):
