@@ -31,6 +31,7 @@ from mpipar.parts.schedules import (
     simulated_bubble,
     zb_h1_idle,
 )
+from mpipar.parts.v_schedules import dualpipev, published_bubble
 
 CASES = [(p, m) for p in range(1, 7) for m in range(1, 10)]
 ONE_CHUNK = [*SCHEDULES, *SPLIT]  # every schedule but interleaved
@@ -516,3 +517,52 @@ def test_v_shaped_by_name_and_on_the_command_line():
     assert "2 model chunks per stage in a V (stage r holds pieces r and 3-r)" in out
     assert "bubble 0.040 (formula 0.040)" in out
     assert bubble_formula(4, 8, "dualpipev", 2) == pytest.approx(3 / 51)
+
+
+def pair_replay(p, m, f, b, w, fb):
+    """DualPipeV with each pair as the report runs it (both receives, then the forward and the
+    backward together), replayed with a pair taking ``fb``: its forward is charged fb - b,
+    what overlapping adds to the backward, and the two run back to back."""
+    lists = [dualpipev(p, s, m, pairs="report") for s in range(p)]
+    paired = {(s, a.micro, a.chunk) for s, ins in enumerate(lists)
+              for a, z in zip(ins, ins[1:]) if isinstance(a, Forward) and isinstance(z, Backward)}
+    return simulate(lists, lambda s, k, c: fb - b if (s, k, c) in paired else f, b,
+                    weight_share=w / b, placement="v")
+
+
+def rank_idle(events):
+    """The time a rank idles between its first and its last computation."""
+    work = [(t0, t1) for ins, t0, t1 in events if ins.kind in ("forward", "backward")]
+    return work[-1][1] - work[0][0] - sum(t1 - t0 for t0, t1 in work)
+
+
+def test_dualpipev_as_the_report_pairs_it_idles_its_published_bubble():
+    """Each pair as DualPipe runs it (both receives, then F and B together for F&B): rank 0,
+    the most idle, idles (PP/2-1)(F&B+B-3W) whenever the input gradient takes F (B = F + W)
+    and W <= F, from full overlap (F&B = B) to none (F + B); nothing overlapped with F, B = 2F
+    and W = F, that is 2(p-1)F, where the order of ``pairs="order"`` idles only (p-1)F."""
+    for p in range(1, 6):
+        for m in (2 * p, 2 * p + 1, 3 * p + 1):
+            for f, w in ((1.0, 1.0), (1.0, 0.5), (2.0, 0.75), (1.5, 1.5)):
+                b = f + w
+                for fb in (b, (b + f + b) / 2, f + b):
+                    idle = [rank_idle(ev) for ev in pair_replay(p, m, f, b, w, fb)]
+                    want = published_bubble(p, f, b, w, fb)
+                    assert idle[0] == pytest.approx(want, abs=1e-9), (p, m, f, b, w, fb, idle)
+                    assert max(idle) == pytest.approx(idle[0], abs=1e-9), (p, m, idle)
+        timeline = pair_replay(p, 2 * p, 1.0, 2.0, 1.0, 3.0)
+        assert rank_idle(timeline[0]) == 2 * (p - 1) == 2 * rank_idle(
+            simulate(schedule("dualpipev", p, 2 * p, 2), placement="v")[0])
+    # outside the condition it is not exact: the input gradient 2F (B = 3F), W = F, F&B = B
+    assert rank_idle(pair_replay(2, 4, 1.0, 3.0, 1.0, 3.0)[0]) == 2.0
+    assert published_bubble(2, 1.0, 3.0, 1.0, 3.0) == 3.0
+
+
+def test_dualpipev_in_the_report_s_order_receives_both_then_computes_both():
+    """p = 2, m = 4, stage 1's main phase: both receives, then both computations, then both
+    sends (the pairs' other halves are handed over on the rank, without a message); the lists
+    still run every piece in order with every message received."""
+    ins = " ".join(map(str, dualpipev(2, 1, 4, pairs="report")))
+    assert "RA2 RG0.1 F2 B0.1 F2.1 B0 SA2.1 SG0 RA3 RG1.1 F3 B1.1 F3.1 B1 SA3.1 SG1" in ins, ins
+    for p, m in V_CASES:
+        simulate([dualpipev(p, s, m, pairs="report") for s in range(p)], placement="v")

@@ -5,7 +5,17 @@ of the model stays on stage p-1 and the loss is computed on stage 0, beside the 
 
 from collections import deque
 
-from mpipar.parts.instructions import BackwardWeight, OptimizerStep, _backward, _check, _forward
+from mpipar.parts.instructions import (
+    Backward,
+    BackwardWeight,
+    Forward,
+    OptimizerStep,
+    RecvAct,
+    RecvGrad,
+    _backward,
+    _check,
+    _forward,
+)
 
 
 class _VList:
@@ -13,8 +23,8 @@ class _VList:
     forward or backward (with its messages, :func:`_forward`) for the next micro-batch of
     that chunk; a split backward's W waits in ``owed`` (first in, first out) for :meth:`w`."""
 
-    def __init__(self, n_stages, stage):
-        self.p, self.r, self.out, self.owed = n_stages, stage, [], deque()
+    def __init__(self, n_stages, stage, pairs="order"):
+        self.p, self.r, self.out, self.owed, self.pairs = n_stages, stage, [], deque(), pairs
         self.f, self.b = [0, 0], [0, 0]  # the next micro-batch of each chunk
 
     def F(self, c):
@@ -36,9 +46,17 @@ class _VList:
         gradient is waited for, so that message travels while the backward computes. DualPipe
         waits for both receives first, then runs the two computations at once on a GPU; with
         one computation at a time that wait would hold the forward up for the backward's
-        gradient (the replay's bubble at p = 2, m = 4 grows from 0.040 to 0.077)."""
+        gradient (the replay's bubble at p = 2, m = 4 grows from 0.040 to 0.077). ``pairs``
+        "report" writes the pair as DualPipe does: both receives, both computations, both
+        sends (:func:`published_bubble` is its idle time)."""
+        start = len(self.out)
         self.F(c_f)
         self.B(c_b, split=False)
+        if self.pairs == "report":
+            pair = self.out[start:]
+            recvs = [i for i in pair if isinstance(i, (RecvAct, RecvGrad))]
+            work = [i for i in pair if isinstance(i, (Forward, Backward))]
+            self.out[start:] = recvs + work + [i for i in pair if i not in recvs + work]
 
 
 def zb_v(n_stages, stage, n_micro):
@@ -75,23 +93,23 @@ def zb_v(n_stages, stage, n_micro):
     return [i for i in v.out if i.micro < n_micro] + [OptimizerStep()]
 
 
-def dualpipev(n_stages, stage, n_micro):
+def dualpipev(n_stages, stage, n_micro, pairs="order"):
     """DualPipeV (the DeepSeek-V3 report, arXiv:2412.19437, Sec. 3.2.1, cut in half as in its
     DualPipe repository): the V of :func:`zb_v`, m >= 2p micro-batches, and each rank's eight
     phases: (1) 2(p-r-1) F0; (2) r+1 pairs F0 F1; (3) p-r-1 of B1 (split) W F1; (4) m-2p+r+1
     of F0&B1 F1&B0, each forward beside another micro-batch's backward (:meth:`_VList.FB`:
     what the report overlaps, so that one's messages travel while the other computes); (5)
     p-r-1 of B1 F1&B0; (6) r+1 pairs B1 B0, split from the middle one on; (7) p-r-1 of W B0
-    (split); (8) the r+1 W's still owed. Its published bubble (PP/2-1)(F&B+B-3W) (PP = 2p
-    pieces, F&B an overlapped forward and backward) is 0 with F, B and W equal and nothing
-    overlapped; here the step is then 6m + p - 1 chunk-units long, as ZB-V's (bubble
-    (p-1)/(6m+p-1)), and every rank stashes at most 2p+1 chunk activations (the report's
-    PP+1)."""
+    (split); (8) the r+1 W's still owed. Every rank stashes at most 2p+1 chunk activations
+    (the report's PP+1). With F, B and W equal and nothing overlapped the step is 6m + p - 1
+    chunk-units long, as ZB-V's (bubble (p-1)/(6m+p-1)). ``pairs`` "report" writes each pair
+    in DualPipe's own order (:meth:`_VList.FB`), whose bubble is the published one
+    (:func:`published_bubble`)."""
     _check(n_stages, stage, n_micro)
     p, r, m = n_stages, stage, n_micro
     if m < 2 * p:
         raise ValueError(f"dualpipev needs at least 2 x {p} = {2 * p} micro-batches, got {m}")
-    v = _VList(p, r)
+    v = _VList(p, r, pairs)
     for _ in range(2 * (p - r - 1)):  # (1)
         v.F(0)
     for _ in range(r + 1):  # (2)
@@ -110,3 +128,17 @@ def dualpipev(n_stages, stage, n_micro):
     while v.owed:  # (8)
         v.w()
     return v.out + [OptimizerStep()]
+
+
+# ----------------------------------------------------------------------------- the report's bubble
+def published_bubble(n_stages, f, b, w, fb):
+    """DualPipeV's bubble as the DeepSeek-V3 report's Table 2 gives it, (PP/2-1)(F&B+B-3W):
+    the time a rank idles in a step, with PP = 2p pieces, F a chunk's forward, B its whole
+    backward (input and weights), W the weights' part, and F&B a forward and another
+    micro-batch's backward run at once (from max(F, B) if fully overlapped to F + B if not
+    at all). With F, B = 2F and W = F and nothing overlapped: 2(p-1)F. It is what rank 0
+    idles with the pairs in the report's order (``pairs="report"``) when a chunk's input
+    gradient takes as long as its forward (B = F + W) and W <= F, for any overlap; elsewhere
+    it is not exact, either way (``tests/test_schedules.py > pair_replay`` replays it)."""
+    return (n_stages - 1) * (fb + b - 3 * w)
+
