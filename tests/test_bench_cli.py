@@ -520,3 +520,29 @@ def test_wait_busy_tables_each_strategy_beside_busy_processes(monkeypatch, tmp_p
     out = capsys.readouterr().out
     assert "default (sleep) beside 2 busy processes: 1.50, target at most 2.0: met" in out, out
     assert (tmp_path / "wait_busy.png").stat().st_size > 0
+
+
+def test_schedules_trains_every_schedule_and_reports_each_beside_its_formula(tmp_path):
+    """bench schedules on 2 ranks, one launch of 2 timed steps: a row per schedule (dualpipev
+    only where m >= 2p), each bubble a share, 1F1B's step its own baseline; the report's
+    section names each schedule with its formula and says where dualpipev did not run. What
+    the bubbles are is not asserted: they vary with the machine."""
+    from mpipar.parts.schedules import bubble_formula
+    from mpipar.tools.bench import schedules
+
+    assert [n for n, _ in schedules.runs(2, 4)] == ["1f1b", "zb-h1", "interleaved", "zb-v",
+                                                      "dualpipev"]
+    assert "dualpipev" not in [n for n, _ in schedules.runs(4, 4)]
+    subprocess.run([sys.executable, "-m", "mpipar.tools.bench", "schedules", "--quick",
+                    "--micro", "2,4", "--warmup", "1", "--steps", "2", "--launches", "1",
+                    "--out", str(tmp_path)], check=True, capture_output=True, timeout=300)
+    with open(tmp_path / "schedules.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert sorted((r["schedule"], r["m"]) for r in rows) == sorted(
+        [(n, "2") for n, _ in schedules.runs(2, 2)] + [(n, "4") for n, _ in schedules.runs(2, 4)])
+    assert all(0 <= float(r["bubble"]) < 1 for r in rows)
+    assert {r["ratio_to_1f1b"] for r in rows if r["schedule"] == "1f1b"} == {"1.0"}
+    text = "\n".join(schedules.section(tmp_path))
+    assert f"formula {bubble_formula(2, 4, 'zb-v', 2):.3f}" in text
+    assert "- 2 stages, m = 2: 1f1b " in text and "dualpipev not run (it needs m >= 4)" in text
+    assert (tmp_path / "schedules.png").stat().st_size > 0

@@ -36,6 +36,7 @@ from mpipar.tools.bench.common import (  # noqa: E402 (after the thread settings
     write_csv,
 )
 from mpipar.tools.bench.common import csv_float as _f  # noqa: E402
+from mpipar.tools.bench.schedules import section as schedules_section  # noqa: E402
 from mpipar.tools.report_gpu import gpu_section  # noqa: E402
 from mpipar.tools.report_link import link_section, warmup_section  # noqa: E402
 from mpipar.tools.report_speed import speed_section  # noqa: E402
@@ -50,8 +51,8 @@ from mpipar.tools.validate import (  # noqa: E402
 # bench link (about 5 minutes) and bench warmup (under a minute) run after these when this
 # machine can emulate hosts (root, network namespaces: run_link); otherwise their sections keep
 # the committed link.csv and warmup.csv
-BENCHES = ["engine", "overhead", "flops", "net", "dp", "tp", "pp", "pp_wide", "hybrid", "experts",
-           "context", "precision", "ckpt", "memory"]
+BENCHES = ["engine", "overhead", "flops", "net", "dp", "tp", "pp", "pp_wide", "schedules", "hybrid",
+           "experts", "context", "precision", "ckpt", "memory"]
 
 
 def _true(value):
@@ -273,7 +274,8 @@ def main(argv=None):
         plot_memory(PLOTS / "memory.png")
     path = write_report(validation, extrapolation, bench_times,
                         headlines.section(headline_rows), speed_section(),
-                        link_section(link_note) + warmup_section(), gpu_section())
+                        link_section(link_note) + warmup_section() + schedules_section(),
+                        gpu_section())
     fair = [r for r in validation if not r["oversubscribed"]]
     print(f"cost model within 20%: {sum(abs(r['error']) <= 0.2 for r in fair)} of {len(fair)} "
           f"configurations with a core per rank, {sum(abs(r['error']) <= 0.2 for r in validation)}"

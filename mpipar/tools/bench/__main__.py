@@ -1,7 +1,8 @@
-"""python -m mpipar.tools.bench NAME (engine, flops, net, dp, pp, pp_wide, tp, hybrid, experts,
-context, precision, ckpt, memory, overhead, link, warmup, wait): run one benchmark, write its
-CSV and pictures into --out DIR (default: a scratch folder; --out plots replaces the committed
-results, as make report does). Flags given beside --quick win over its shorter defaults."""
+"""python -m mpipar.tools.bench NAME (engine, flops, net, dp, pp, pp_wide, schedules, tp,
+hybrid, experts, context, precision, ckpt, memory, overhead, link, warmup, wait): run one
+benchmark, write its CSV and pictures into --out DIR (default: a scratch folder; --out plots
+replaces the committed results, as make report does). Flags given beside --quick win over its
+shorter defaults."""
 
 import argparse
 import importlib
@@ -16,6 +17,7 @@ BENCHES = {
     "dp": "data parallelism: step time and speedup per sync mode",
     "pp": "pipeline parallelism: bubble share, activation memory, step time",
     "pp_wide": "the pipeline at P = 2, m = 16 with micro-batches of 256 rows: the speedup",
+    "schedules": "every pipeline schedule, V-shaped ones too: measured bubble, step against 1F1B",
     "tp": "tensor parallelism: step time and communication share against hidden size",
     "hybrid": "every DP x TP x PP layout of 4 ranks",
     "experts": "expert parallelism: a step with an unbalanced router against a balanced one",

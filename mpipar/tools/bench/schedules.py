@@ -1,0 +1,194 @@
+"""Every pipeline schedule with two chunks or one, on one model: the bubble each measures from
+its trace beside its formula, and its step beside 1F1B's.
+
+    python -m mpipar.tools.bench schedules   # schedules.csv and schedules.png in --out
+
+The MLP of 8 equal Linear(512, 512) layers (synthetic data, 64 rows a micro-batch, float32), so
+that every cut gives equal pieces: 2 layers a stage and 1 a chunk on 4 ranks, 4 and 2 on 2. On
+``--ranks`` ranks (2: a core each; 4: two ranks a core, marked oversubscribed) and for each
+``--micro`` m, one trainer a schedule: 1f1b and zb-h1 (one chunk a stage), interleaved
+(2 chunks, the production warm-up), zb-v and dualpipev (2 chunks in a V; dualpipev needs m >= 2p
+and is left out below it). All built from one seed, they train ``--warmup`` steps, then
+``--steps`` steps of each are timed, taking turns (a barrier, the step, the slowest rank's
+time), so that a slow spell of the machine hits every schedule alike. Each timed step's bubble
+comes from its trace, as the pipeline run prints it: 1 - busy / (P x the span from the first
+forward to the last backward), W counted busy. The formula beside it takes F, B and W of equal
+times (:func:`mpipar.parts.schedules.bubble_formula`): what the messages, Python's time around
+each instruction and the stages' slightly unequal times add shows as the gap. The spread is
+over ``--launches`` launches.
+"""
+
+import statistics
+
+from mpipar.tools.bench.common import (
+    PLOTS,
+    bench_parser,
+    cores,
+    count_list,
+    csv_rows,
+    emit,
+    environment,
+    in_turns,
+    pyplot,
+    run_ranks,
+    save_figure,
+    step_columns,
+    turns_flags,
+    write_csv,
+    wrote,
+)
+
+SCHEDULES = (("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("zb-v", 2), ("dualpipev", 2))
+FLAGS = ["--model", "mlp", "--data", "synthetic", "--sizes", ",".join(["512"] * 9), "--quiet"]
+ROWS = 64  # a micro-batch's rows
+
+
+def runs(p, m):
+    """The (schedule, chunks) this bench trains on p ranks with m micro-batches."""
+    return [(name, v) for name, v in SCHEDULES if name != "dualpipev" or m >= 2 * p]
+
+
+def worker(micro, warmup, steps):
+    from mpi4py import MPI
+
+    from mpipar import serial
+    from mpipar.mpi import comm
+    from mpipar.mpi.grid import Grid
+    from mpipar.mpi.trace import TRACE, measured_bubble, step_summary
+    from mpipar.runner.cli import parse_args
+    from mpipar.train import trainer_class
+
+    comm.install_excepthook()
+    world = MPI.COMM_WORLD
+    grid = Grid(pp=world.size)
+    cases, trainers = [], []
+    for m in micro:
+        for name, v in runs(world.size, m):
+            a = parse_args("pipeline", FLAGS + ["--schedule", name, "--chunks", str(v),
+                                                "--micro-batches", str(m),
+                                                "--batch-size", str(ROWS * m)])
+            cases.append((name, m))
+            trainers.append(trainer_class("pipeline", a)(serial.Task(a), grid, a))
+    summaries = [[] for _ in trainers]  # this rank's (first F, last B, busy) a timed step
+    times = in_turns(trainers, warmup, steps,
+                     lambda i: summaries[i].append(step_summary(TRACE.events)))
+    ranks = world.gather(summaries)
+    if ranks is not None:
+        for i, (name, m) in enumerate(cases):
+            bubbles = [measured_bubble([r[i][k] for r in ranks]) for k in range(steps)]
+            emit(dict(schedule=name, m=m, times=times[i], bubble=statistics.median(bubbles)))
+
+
+def plot(rows, path):
+    from mpipar.parts.schedules import bubble_formula
+
+    plt = pyplot()
+    ranks = sorted({int(r["ranks"]) for r in rows})
+    fig, axes = plt.subplots(1, len(ranks), figsize=(5.6 * len(ranks), 4.2), squeeze=False)
+    for ax, p in zip(axes[0], ranks):
+        mine = [r for r in rows if int(r["ranks"]) == p]
+        ms = sorted({int(r["m"]) for r in mine})
+        width = 0.8 / len(SCHEDULES)
+        for k, (name, v) in enumerate(SCHEDULES):
+            for j, m in enumerate(ms):
+                got = [float(r["bubble"]) for r in mine if r["schedule"] == name
+                       and int(r["m"]) == m]
+                if not got:
+                    continue
+                x = j + (k - (len(SCHEDULES) - 1) / 2) * width
+                ax.bar(x, statistics.median(got), width, color=f"C{k}",
+                       label=name if j == 0 else None)
+                ax.plot([x - width / 2, x + width / 2], [bubble_formula(p, m, name, v)] * 2,
+                        color="black", lw=1.5, label="formula (F = B = W)"
+                        if (k, j) == (0, 0) else None)
+        ax.set_xticks(range(len(ms)), [f"m = {m}" for m in ms])
+        shared = f", {p} ranks on {cores()} cores" if p > cores() else ""
+        ax.set_title(f"{p} stages{shared}: bubble from the trace (median of launches)",
+                     fontsize=9)
+        ax.set_ylabel("bubble")
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.25)  # the legend above the bars
+        ax.legend(fontsize=8, ncol=3, loc="upper right")
+    return save_figure(fig, path)
+
+
+def main(argv=None):
+    ap = bench_parser("schedules")
+    turns_flags(ap, warmup=4, steps=12)
+    ap.sized("--ranks", [2, 4], [2], type=count_list(), help="pipeline stages, one a rank")
+    ap.sized("--micro", [4, 8, 16], [4], type=count_list(), help="micro-batch counts m")
+    args = ap.parse_args(argv)
+    if args.worker:
+        worker(args.micro, args.warmup, args.steps)
+        return
+    rows = []
+    for launch in range(1, args.launches + 1):  # rank counts in turn: load hits them alike
+        for p in args.ranks:
+            got = run_ranks(p, "mpipar.tools.bench.schedules", [
+                "--worker", "--micro", ",".join(map(str, args.micro)),
+                "--warmup", args.warmup, "--steps", args.steps])
+            for r in got:
+                base = next(b for b in got if b["schedule"] == "1f1b" and b["m"] == r["m"])
+                rows.append(dict(environment(p), bench="schedules", launch=launch,
+                                 schedule=r["schedule"], m=r["m"], bubble=round(r["bubble"], 4),
+                                 **step_columns(r["times"]),
+                                 ratio_to_1f1b=round(statistics.median(r["times"])
+                                                     / statistics.median(base["times"]), 4),
+                                 oversubscribed=p > cores(), warmup=args.warmup,
+                                 steps=args.steps))
+                print(f"launch {launch}, {p} ranks, m = {r['m']:>2}, {r['schedule']:<11}: "
+                      f"bubble {r['bubble']:.3f}, step {rows[-1]['step_ms']:.1f} ms, "
+                      f"{rows[-1]['ratio_to_1f1b']:.3f} of 1F1B's (varies)")
+    wrote(write_csv("schedules.csv", rows, args.out), plot(rows, args.out / "schedules.png"))
+
+
+# ----------------------------------------------------------------------------- the report
+def section(folder=PLOTS):
+    """REPORT.md's section on ``schedules.csv``: per rank count and m, each schedule's bubble
+    (median over the launches, their range) beside its formula, and its step over 1F1B's;
+    [] without the CSV."""
+    from mpipar.parts.schedules import bubble_formula
+
+    rows = csv_rows(folder, "schedules.csv")
+    if not rows:
+        return []
+
+    def cell(p, m, name, v):
+        mine = [r for r in rows if (int(r["ranks"]), int(r["m"]), r["schedule"]) == (p, m, name)]
+        if not mine:
+            return f"{name} not run (it needs m >= {2 * p})"
+        bubble = sorted(float(r["bubble"]) for r in mine)
+        ratio = sorted(float(r["ratio_to_1f1b"]) for r in mine)
+        return (f"{name} {statistics.median(bubble):.3f} ({bubble[0]:.3f}-{bubble[-1]:.3f}; "
+                f"formula {bubble_formula(p, m, name, v):.3f})"
+                + ("" if name == "1f1b" else f", step {statistics.median(ratio):.2f}x"))
+
+    launches = max(int(r["launch"]) for r in rows)
+    lines = ["## Pipeline schedules side by side, V-shaped ones too", "",
+             "![schedules](schedules.png)", "",
+             "`python -m mpipar.tools.bench schedules` trains the MLP of 8 equal Linear(512, "
+             "512) layers with 64-row micro-batches under every schedule with one or two "
+             f"chunks a stage, in turns, {launches} launches (`schedules.csv`). The bubble each "
+             "step measures from its trace, median over the launches and their range (varies), "
+             "beside the formula for F, B and W of equal times, and the step against 1F1B's in "
+             "the same launch:", ""]
+    for p in sorted({int(r["ranks"]) for r in rows}):
+        shared = f" ({p} ranks on {cores()} cores: oversubscribed)" if p > cores() else ""
+        for m in sorted({int(r["m"]) for r in rows if int(r["ranks"]) == p}):
+            lines.append(f"- {p} stages, m = {m}{shared}: "
+                         + "; ".join(cell(p, m, name, v) for name, v in SCHEDULES) + ".")
+    return lines + ["", "The gap to each formula is what these steps do beside the schedule's "
+                    "computations: each instruction's Python time, the messages and the waits "
+                    "for them, and pieces that are not exactly equal: the formulas count none "
+                    "of it. The V-shaped schedules "
+                    "hand a micro-batch from piece p-1 to piece p on one rank without a "
+                    "message, and compute the loss on rank 0, beside the input. On these CPUs "
+                    "no forward runs at the same time as another micro-batch's backward: "
+                    "DualPipeV's pairs are an order, its forward's send posted before its "
+                    "backward's receive, so a message travels while the next computation "
+                    "runs, and nothing else is overlapped "
+                    "(lessons/05-pipeline-parallel.md#v-shaped-schedules-zb-v-and-dualpipev).",
+                    ""]
+
+
+if __name__ == "__main__":
+    main()
