@@ -1,7 +1,8 @@
 """The course's pictures: each is drawn without error, the committed PNGs are current (the data
 they draw hashes as in lessons/figures/data.json), and each draws what the code does: the
 schedule grids cell for cell from schedules.simulate, the ring from ring_allreduce, the grid from
-Grid's Splits. Also trace.gantt's notes, labels and legend."""
+Grid's Splits, the basic collectives from stand-ins that give what MPI gives, the broadcast tree
+from lesson 0's own bcast_tree. Also trace.gantt's notes, labels and legend."""
 
 import json
 import subprocess
@@ -14,7 +15,7 @@ from conftest import ROOT
 from mpipar.mpi.grid import Grid
 from mpipar.parts.schedules import bubble_formula, schedule, simulate, simulated_bubble
 from mpipar.tools import figures
-from mpipar.tools.figures import collectives, context, experts, layouts
+from mpipar.tools.figures import basics, collectives, context, experts, layouts
 from mpipar.tools.figures import precision as precision_figure
 from mpipar.tools.figures.draw import ThreadRanks, pyplot
 
@@ -179,6 +180,106 @@ def test_an_error_on_one_stand_in_rank_ends_them_all():
 
     with pytest.raises(ValueError, match="rank 1 fails"):
         ThreadRanks(3).run(fn)
+
+
+# ----------------------------------------------------------------------------- the basics
+@pytest.mark.parametrize("p", [3, 4])
+def test_stand_in_collectives_give_what_mpi_gives(p):
+    """Every element distinct (a shuffled range), blocks of 2 rows of 3, roots other than 0:
+    an element read from the wrong rank, block or place changes an answer."""
+    k = 2
+    x = np.random.default_rng(p).permutation(p * p * k * 3).reshape(p, p * k, 3).astype(float)
+    blocks = x.reshape(p, p, k, 3)  # [rank, block, row, column]
+
+    def body(comm):
+        r, mine, out = comm.rank, x[comm.rank], {}
+        out["Scatter"] = np.full((k, 3), -1.0)
+        comm.Scatter(mine if r == 1 else None, out["Scatter"], root=1)
+        out["Gather"] = np.full((p * k, 3), -1.0) if r == 2 else None
+        comm.Gather(blocks[r, 0], out["Gather"], root=2)
+        out["Allgather"] = np.full((p * k, 3), -1.0)
+        comm.Allgather(blocks[r, 0], out["Allgather"])
+        out["Reduce_scatter"] = np.full((k, 3), -1.0)
+        comm.Reduce_scatter(mine, out["Reduce_scatter"])
+        out["Alltoall"] = np.full_like(mine, -1.0)
+        comm.Alltoall(mine, out["Alltoall"])
+        return out
+
+    got = ThreadRanks(p).run(body)
+    everyones_first = blocks[:, 0].reshape(p * k, 3)  # rank order
+    for r in range(p):
+        assert np.array_equal(got[r]["Scatter"], blocks[1, r])  # block r of root 1's buffer
+        assert np.array_equal(got[r]["Allgather"], everyones_first)
+        assert np.array_equal(got[r]["Reduce_scatter"], x.sum(axis=0)[r * k:(r + 1) * k])
+        assert np.array_equal(got[r]["Alltoall"], blocks[:, r].reshape(p * k, 3))  # transpose
+    assert np.array_equal(got[2]["Gather"], everyones_first)
+    assert [r for r in range(p) if got[r]["Gather"] is not None] == [2]
+
+
+def test_collectives_picture_draws_what_mpi_gives():
+    d = basics.collectives_run(p=4)
+    x = np.array(d["Alltoall"]["before"])
+    assert x.tolist() == [[10 * r + i for i in range(4)] for r in range(4)]
+    assert d["Alltoall"]["after"] == x.T.tolist()
+    assert d["Reduce_scatter"]["before"] == x.tolist()
+    assert d["Reduce_scatter"]["after"] == [[int(v)] for v in x.sum(axis=0)]
+    assert d["Scatter"]["after"] == [[v] for v in d["Scatter"]["before"][0]]
+    assert d["Scatter"]["before"][1:] == [[]] * 3
+    firsts = [b[0] for b in d["Allgather"]["before"]]
+    assert d["Allgather"]["after"] == [firsts] * 4
+    assert d["Gather"]["after"] == [firsts, [], [], []]
+
+
+def tree_by_rule(p, root=0):
+    """lessons/code/00_bcast_reduce.py's rule, from its docstring: in round k of R =
+    ceil(log2 p), every rank that has the data (counted from the root) sends it 2**(R-k) on."""
+    rounds, sends = (p - 1).bit_length(), []
+    for k in range(1, rounds + 1):
+        step = 1 << (rounds - k)
+        sends += [[k, (m + root) % p, (m + step + root) % p]
+                  for m in range(0, p, 2 * step) if m + step < p]
+    return sorted(sends)  # as tree_run lists them: by round, then source
+
+
+@pytest.mark.parametrize("p,root", [(8, 0), (8, 3), (5, 0), (6, 2)])
+def test_tree_picture_is_lesson_0_s_bcast_tree(p, root):
+    """Every rank but the root receives once, from a rank that had the data a round before, a
+    rank sends at most once a round, in ceil(log2 p) rounds; each rank sends to the ranks the
+    script's rule names, in its order. Where p is a power of two the rounds are the rule's too
+    (elsewhere a rank whose partner is missing sends its next message a round early, as the
+    code does). On 8 ranks from 0 that is the picture; on 5, the root sends 3 messages and
+    rank 2 one, as test_lesson_code sees the script print under mpirun."""
+    d = basics.tree_run(p, root)
+    have = {root: 0}
+    for k, s, dest in d["sends"]:
+        assert have.get(s, k) < k, f"rank {s} sends in round {k} before it has the data"
+        assert dest not in have, f"rank {dest} receives twice"
+        have[dest] = k
+    assert sorted(have) == list(range(p))
+    assert len({(k, s) for k, s, _ in d["sends"]}) == len(d["sends"])
+    assert max(have.values()) == (p - 1).bit_length()
+    assert d["got"] == [1] * p
+    rule = tree_by_rule(p, root)
+    def dests(sends):  # per rank, whom it sends to, in its order
+        return [[dest for _, s, dest in sends if s == r] for r in range(p)]
+
+    assert dests(d["sends"]) == dests(rule)
+    if p & (p - 1) == 0:
+        assert d["sends"] == rule
+    if (p, root) == (8, 0):
+        assert d["sends"] == basics.collectives_run()["tree"]["sends"] == [
+            [1, 0, 4], [2, 0, 2], [2, 4, 6], [3, 0, 1], [3, 2, 3], [3, 4, 5], [3, 6, 7]]
+    if (p, root) == (5, 0):
+        assert [sum(s == r for _, s, _ in d["sends"]) for r in range(p)] == [3, 0, 1, 0, 0]
+
+
+def test_reduce_tree_is_the_broadcast_backwards():
+    """The picture's note: reduce_tree sends the broadcast's messages reversed, last round
+    first, and the root ends with every rank's share (rank r's is bit r)."""
+    p, rounds = 8, 3
+    bcast, reduce = basics.tree_run(p), basics.tree_run(p, reduce=True)
+    assert sorted([rounds + 1 - k, d, s] for k, s, d in reduce["sends"]) == bcast["sends"]
+    assert reduce["got"][0] == 2 ** p - 1
 
 
 # ----------------------------------------------------------------------------- trace.gantt

@@ -30,11 +30,16 @@ Each picture runs the real function it shows and draws what that function did:
     range of message latencies: the bubble of each, and each stage's stash.
 11. ``v_schedules.png``: ZB-V and DualPipeV (two chunks a stage, in a V) beside 1F1B and
     ZB-H1 on 4 stages and 8 micro-batches, as ``schedules.png`` draws them.
+12. ``collectives.png``: Scatter, Gather, Allgather, Reduce_scatter and Alltoall on 4 threads
+    (each rank's buffer before and after, every element labelled with the rank it started on),
+    and lesson 0's binomial-tree broadcast (``lessons/code/00_bcast_reduce.py``'s own
+    ``bcast_tree``) on 8: which rank sends to which in each of its 3 rounds.
 
 Pictures 1-4 live in :mod:`mpipar.tools.figures.collectives`, 5-6, 10 and 11 in
 :mod:`mpipar.tools.figures.layouts`, 7 in :mod:`mpipar.tools.figures.experts`, 8 in
-:mod:`mpipar.tools.figures.context`, 9 in :mod:`mpipar.tools.figures.precision`, the stand-ins and
-shared settings in :mod:`mpipar.tools.figures.draw`. Each figure function returns the data it
+:mod:`mpipar.tools.figures.context`, 9 in :mod:`mpipar.tools.figures.precision`, 12 in
+:mod:`mpipar.tools.figures.basics`, the stand-ins and shared settings in
+:mod:`mpipar.tools.figures.draw`. Each figure function returns the data it
 drew (lists and rounded numbers; a ``*_run`` or ``*_layout`` function computes it without
 drawing); ``data.json`` next to the PNGs holds a SHA-256 of each, and the tests compare it with
 a fresh run: a picture that no longer matches the code is caught, whichever matplotlib version
@@ -53,6 +58,7 @@ DEFAULT_OUT = Path(__file__).resolve().parents[3] / "lessons" / "figures"
 
 def figures():
     """name -> function(path) that draws the PNG and returns the data it drew."""
+    from mpipar.tools.figures import basics as B
     from mpipar.tools.figures import collectives as C
     from mpipar.tools.figures import context as R
     from mpipar.tools.figures import experts as X
@@ -63,7 +69,8 @@ def figures():
             "megatron_mlp": C.megatron_figure, "vocab_cross_entropy": C.cross_entropy_figure,
             "schedules": L.schedules_figure, "grid": L.grid_figure, "dispatch": X.dispatch_figure,
             "context_ring": R.ring_figure, "precision_ranges": P.precision_figure,
-            "warmup": L.warmup_figure, "v_schedules": L.v_schedules_figure}
+            "warmup": L.warmup_figure, "v_schedules": L.v_schedules_figure,
+            "collectives": B.collectives_figure}
 
 
 def digest(data):

@@ -2,6 +2,7 @@
 numbers rounded for hashing, and two stand-ins that let a picture run the real code without
 MPI (threads for ranks; a communicator that records the colours of its Splits)."""
 
+import queue
 import threading
 from types import SimpleNamespace
 
@@ -33,16 +34,25 @@ def rounded(x):
 # ----------------------------------------------------------------------------- stand-in ranks
 class ThreadRanks:
     """P threads standing in for P ranks, each running ``fn(comm)``. The comm offers the calls
-    the pictured functions make, Sendrecv, Allreduce and Alltoall, with MPI's meaning: every
-    rank posts a copy of its buffer, waits for the others (a barrier), then reads what it is
-    owed. ``on_send(rank, sendbuf)``, when set, sees each Sendrecv before the exchange. Irecv
-    then Isend, posted by every rank in that order (a ring's next block), exchange at the
-    Isend; their requests' ``wait`` has nothing left to do."""
+    the pictured functions make, with MPI's meaning: the calls every rank makes together,
+    Sendrecv, Allreduce, Alltoall, Scatter, Gather, Allgather and Reduce_scatter (equal blocks,
+    SUM), in which every rank posts a copy of its buffer, waits for the others (a barrier),
+    then reads what it is owed; and Send and Recv between two ranks. ``on_send(rank,
+    sendbuf)``, when set, sees each Sendrecv before the exchange. Irecv then Isend, posted by
+    every rank in that order (a ring's next block), exchange at the Isend; their requests'
+    ``wait`` has nothing left to do.
+
+    ``sends`` lists every Send as (round, source, dest), a round being the time of one message:
+    a Send leaves in the round after the sender's previous Send or the round its last Recv's
+    message left in, whichever is later, so a broadcast tree's rounds can be read off it."""
 
     def __init__(self, size, on_send=None):
         self.size, self.on_send, self.box, self.allreduces = size, on_send, {}, []
         self.receives = {r: [] for r in range(size)}  # each rank's posted Irecvs, in order
         self.barrier = threading.Barrier(size, timeout=30)
+        # one queue per ordered pair, made up front: threads never race to create one
+        self.mail = {(s, d): queue.Queue() for s in range(size) for d in range(size)}
+        self.clock, self.sends = [0] * size, []
 
     def run(self, fn):
         results, errors = [None] * self.size, []
@@ -54,7 +64,13 @@ class ThreadRanks:
                                                    Irecv=self._irecv(rank),
                                                    Isend=self._isend(rank),
                                                    Allreduce=self._allreduce(rank),
-                                                   Alltoall=self._alltoall(rank)))
+                                                   Alltoall=self._alltoall(rank),
+                                                   Scatter=self._scatter(rank),
+                                                   Gather=self._gather(rank),
+                                                   Allgather=self._allgather(rank),
+                                                   Reduce_scatter=self._reduce_scatter(rank),
+                                                   Send=self._send(rank),
+                                                   Recv=self._recv(rank)))
             except Exception as err:  # a broken barrier lets the other threads end too
                 errors.append(err)
                 self.barrier.abort()
@@ -101,9 +117,53 @@ class ThreadRanks:
 
     def _alltoall(self, rank):
         def Alltoall(sendbuf, recvbuf, what=""):
-            parts = self._exchange(rank, np.array_split(sendbuf, self.size))
+            parts = self._exchange(rank, np.array_split(sendbuf.copy(), self.size))
             recvbuf[...] = np.concatenate([parts[s][rank] for s in range(self.size)])
         return Alltoall
+
+    def _scatter(self, rank):
+        def Scatter(sendbuf, recvbuf, root=0, what=""):  # sendbuf is read on root only
+            parts = self._exchange(rank, np.array_split(sendbuf.copy(), self.size)
+                                   if rank == root else None)
+            recvbuf[...] = parts[root][rank]
+        return Scatter
+
+    def _gather(self, rank):
+        def Gather(sendbuf, recvbuf, root=0, what=""):  # recvbuf is written on root only
+            parts = self._exchange(rank, sendbuf.copy())
+            if rank == root:
+                recvbuf[...] = np.concatenate([parts[s] for s in range(self.size)])
+        return Gather
+
+    def _allgather(self, rank):
+        def Allgather(sendbuf, recvbuf, what=""):
+            parts = self._exchange(rank, sendbuf.copy())
+            recvbuf[...] = np.concatenate([parts[s] for s in range(self.size)])
+        return Allgather
+
+    def _reduce_scatter(self, rank):
+        def Reduce_scatter(sendbuf, recvbuf, what=""):  # MPI's Reduce_scatter_block, SUM
+            parts = self._exchange(rank, sendbuf.copy())
+            total = np.add.reduce([parts[s] for s in range(self.size)])
+            recvbuf[...] = np.split(total, self.size)[rank]  # equal blocks, or it raises
+        return Reduce_scatter
+
+    def _send(self, rank):
+        def Send(buf, dest, tag=0, what=""):  # buffered: returns at once, like an eager send
+            self.clock[rank] += 1
+            self.sends.append((self.clock[rank], rank, dest))
+            self.mail[rank, dest].put((self.clock[rank], buf.copy()))
+        return Send
+
+    def _recv(self, rank):
+        def Recv(buf, source, tag=0, what=""):
+            try:
+                sent_in, data = self.mail[source, rank].get(timeout=30)
+            except queue.Empty:
+                raise RuntimeError(f"rank {rank} waited for rank {source}: no message") from None
+            self.clock[rank] = max(self.clock[rank], sent_in)
+            buf[...] = data
+        return Recv
 
     def _allreduce(self, rank):
         from mpi4py import MPI
