@@ -88,19 +88,19 @@ def plot(rows, path):
     for ax, p in zip(axes[0], ranks):
         mine = [r for r in rows if int(r["ranks"]) == p]
         ms = sorted({int(r["m"]) for r in mine})
-        width = 0.8 / len(SCHEDULES)
+        width, labelled = 0.8 / len(SCHEDULES), set()
         for k, (name, v) in enumerate(SCHEDULES):
             for j, m in enumerate(ms):
                 got = [float(r["bubble"]) for r in mine if r["schedule"] == name
                        and int(r["m"]) == m]
-                if not got:
+                if not got:  # dualpipev below m = 2p
                     continue
                 x = j + (k - (len(SCHEDULES) - 1) / 2) * width
                 ax.bar(x, statistics.median(got), width, color=f"C{k}",
-                       label=name if j == 0 else None)
+                       label=None if name in labelled else name)
                 ax.plot([x - width / 2, x + width / 2], [bubble_formula(p, m, name, v)] * 2,
-                        color="black", lw=1.5, label="formula (F = B = W)"
-                        if (k, j) == (0, 0) else None)
+                        color="black", lw=1.5, label=None if labelled else "formula (F = B = W)")
+                labelled |= {name}
         ax.set_xticks(range(len(ms)), [f"m = {m}" for m in ms])
         shared = f", {p} ranks on {cores()} cores" if p > cores() else ""
         ax.set_title(f"{p} stages{shared}: bubble from the trace (median of launches)",
