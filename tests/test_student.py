@@ -324,3 +324,15 @@ def test_make_that_fails_half_way_leaves_nothing(existed, tmp_path, monkeypatch)
     assert message.startswith(f"error: could not write the copy in {target}, so nothing is left")
     assert "No space left on device" in message and "\n" not in message
     assert (sorted(target.iterdir()) == []) if existed else not target.exists()
+
+
+def test_a_receive_buffer_of_the_wrong_size_is_named_with_both_sizes(tmp_path):
+    """Each reduce-scatter step receives into a buffer one element short: MPI's own error would
+    say only "Message truncated"; the grade line shows the rank's exception, with the call, the
+    source and the bytes the buffer expects, not a bare "[rank N] Traceback"."""
+    line = graded_with(tmp_path, "ring-allreduce", "        got = incoming[:mine.size]\n",
+                       "        got = incoming[:mine.size - 1]  # one element short\n")
+    assert line.startswith("FAILED: test_the_ring_alone_chunk_by_chunk[4]: ValueError: Sendrecv "
+                           "from "), line
+    assert "got a message longer than the" in line and "bytes its buffer expects" in line, line
+    assert "Traceback" not in line, line
