@@ -684,3 +684,20 @@ def test_every_exercise_is_graded_in_a_lesson_at_its_table_s_minutes():
     assert (f"{words[len(small)]} exercises write the core of one piece each "
             f"({min(small)} to {max(small)} minutes)") in readme
     assert f"{words[len(large)]} build a scheme ({min(large)} to {max(large)} minutes)" in readme
+
+
+def test_lesson_5_exercise_13_idles_are_the_replays():
+    """The worked answer's idle times on 4 ranks (F 1, B 2, W 1): the published bubble with no
+    overlap and with full overlap, as the report's pairs replay, and the order run here."""
+    from test_schedules import pair_replay, rank_idle
+
+    from mpipar.parts.schedules import schedule, simulate
+    from mpipar.parts.v_schedules import published_bubble
+
+    none, full = (rank_idle(pair_replay(4, 8, 1.0, 2.0, 1.0, fb)[0]) for fb in (3.0, 2.0))
+    ours = rank_idle(simulate(schedule("dualpipev", 4, 8, 2), placement="v")[0])
+    assert (none, full, ours) == (published_bubble(4, 1, 2, 1, 3), published_bubble(4, 1, 2, 1, 2),
+                                  3.0) == (6.0, 3.0, 3.0)
+    text = flat((LESSONS / "solutions" / "05-pipeline-parallel.md").read_text())
+    assert "3 x (3 + 2 - 3) = 6 chunk-units of idle on rank 0" in text
+    assert "F&B = B = 2: 3 x (2 + 2 - 3) = 3" in text and "idles p - 1 = 3 chunk-units" in text
