@@ -540,9 +540,26 @@ def test_schedules_trains_every_schedule_and_reports_each_beside_its_formula(tmp
         rows = list(csv.DictReader(f))
     assert sorted((r["schedule"], r["m"]) for r in rows) == sorted(
         [(n, "2") for n, _ in schedules.runs(2, 2)] + [(n, "4") for n, _ in schedules.runs(2, 4)])
-    assert all(0 <= float(r["bubble"]) < 1 for r in rows)
+    assert all(0 <= float(r[k]) < 1 for r in rows for k in ("bubble", "replayed"))
     assert {r["ratio_to_1f1b"] for r in rows if r["schedule"] == "1f1b"} == {"1.0"}
     text = "\n".join(schedules.section(tmp_path))
-    assert f"formula {bubble_formula(2, 4, 'zb-v', 2):.3f}" in text
+    assert f"formula {bubble_formula(2, 4, 'zb-v', 2):.3f}" in text and "; replayed 0." in text
     assert "- 2 stages, m = 2: 1f1b " in text and "dualpipev not run (it needs m >= 4)" in text
     assert (tmp_path / "schedules.png").stat().st_size > 0
+
+
+def test_schedules_replay_of_equal_times_is_each_formula():
+    """The replay the bench reports beside each measurement: with every F, B and W equal it is
+    the formula, for each schedule; part_times reads a rank's spans as the replay needs them
+    (a split backward is B + W, and W's share of it)."""
+    from mpipar.parts.schedules import bubble_formula
+    from mpipar.tools.bench import schedules
+
+    for p, m in ((2, 4), (2, 8), (4, 8), (3, 9)):
+        for name, v in schedules.runs(p, m):
+            parts = [[(1.0, 2.0, 0.5)] * v for _ in range(p)]
+            got = schedules.replayed(name, p, m, v, parts)
+            assert got == pytest.approx(bubble_formula(p, m, name, v), abs=1e-12), (name, p, m)
+    spans = [("forward", 0, False, 1.0), ("forward", 1, False, 3.0), ("backward", 0, True, 1.0),
+             ("weight", 0, True, 3.0), ("backward", 1, False, 5.0), ("backward", 1, False, 7.0)]
+    assert schedules.part_times(spans) == [(1.0, 4.0, 0.75), (3.0, 6.0, None)]

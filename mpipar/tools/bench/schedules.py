@@ -13,9 +13,11 @@ and is left out below it). All built from one seed, they train ``--warmup`` step
 time), so that a slow spell of the machine hits every schedule alike. Each timed step's bubble
 comes from its trace, as the pipeline run prints it: 1 - busy / (P x the span from the first
 forward to the last backward), W counted busy. The formula beside it takes F, B and W of equal
-times (:func:`mpipar.parts.schedules.bubble_formula`): what the messages, Python's time around
-each instruction and the stages' slightly unequal times add shows as the gap. The spread is
-over ``--launches`` launches.
+times (:func:`mpipar.parts.schedules.bubble_formula`). Between the two, the replay: the same
+lists run by :func:`mpipar.parts.schedules.simulate` with each rank's and chunk's own measured
+forward, backward and W (the median instruction spans, free messages, :func:`replayed`): what
+unequal times alone give. The rest of the gap is the messages and the waits for them. The
+spread is over ``--launches`` launches.
 """
 
 import statistics
@@ -70,13 +72,54 @@ def worker(micro, warmup, steps):
             cases.append((name, m))
             trainers.append(trainer_class("pipeline", a)(serial.Task(a), grid, a))
     summaries = [[] for _ in trainers]  # this rank's (first F, last B, busy) a timed step
-    times = in_turns(trainers, warmup, steps,
-                     lambda i: summaries[i].append(step_summary(TRACE.events)))
-    ranks = world.gather(summaries)
+    spans = [[] for _ in trainers]  # and its instructions' spans: (kind, chunk, split, seconds)
+
+    def record(i):
+        summaries[i].append(step_summary(TRACE.events))
+        split = {(e[3].micro, e[3].chunk) for e in TRACE.events if e[4].get("part") == "weight"}
+        spans[i] += [(kind, ins.chunk, kind == "backward" and (ins.micro, ins.chunk) in split,
+                      t1 - t0)
+                     for t0, t1, kind, ins, info in TRACE.events
+                     if kind in ("forward", "backward") and info.get("part") is None] + [
+            ("weight", e[3].chunk, True, e[1] - e[0]) for e in TRACE.events
+            if e[4].get("part") == "weight"]
+
+    times = in_turns(trainers, warmup, steps, record)
+    ranks = world.gather([summaries, [part_times(s) for s in spans]])
     if ranks is not None:
         for i, (name, m) in enumerate(cases):
-            bubbles = [measured_bubble([r[i][k] for r in ranks]) for k in range(steps)]
-            emit(dict(schedule=name, m=m, times=times[i], bubble=statistics.median(bubbles)))
+            bubbles = [measured_bubble([r[0][i][k] for r in ranks]) for k in range(steps)]
+            parts = [r[1][i] for r in ranks]
+            emit(dict(schedule=name, m=m, times=times[i], bubble=statistics.median(bubbles),
+                      replayed=replayed(name, world.size, m, dict(SCHEDULES)[name], parts)))
+
+
+def part_times(spans):
+    """One rank's median forward and whole backward (B + W where split) of one micro-batch on
+    each chunk, and the W's share of a split backward (None where nothing splits)."""
+    def median(kind, chunk, split):
+        got = [t for k, c, s, t in spans if (k, c, s) == (kind, chunk, split)]
+        return statistics.median(got) if got else None
+
+    out = []
+    for c in sorted({c for _, c, _, _ in spans}):
+        b, w, whole = (median("backward", c, True), median("weight", c, True),
+                       median("backward", c, False))
+        out.append((median("forward", c, False), whole if b is None else b + w,
+                    None if b is None else w / (b + w)))
+    return out
+
+
+def replayed(name, p, m, v, parts):
+    """The bubble of the schedule's lists replayed with each rank's and chunk's measured
+    forward and backward (``parts``: per rank, :func:`part_times`), free messages."""
+    from mpipar.parts.schedules import placement_of, schedule, simulate, simulated_bubble
+
+    shares = [w for rank in parts for _, _, w in rank if w is not None]
+    timeline = simulate(schedule(name, p, m, v), [[f for f, _, _ in rank] for rank in parts],
+                        [[b for _, b, _ in rank] for rank in parts], 0.0,
+                        statistics.mean(shares) if shares else 0.5, placement_of(name))
+    return simulated_bubble(timeline)
 
 
 def plot(rows, path):
@@ -130,13 +173,15 @@ def main(argv=None):
                 base = next(b for b in got if b["schedule"] == "1f1b" and b["m"] == r["m"])
                 rows.append(dict(environment(p), bench="schedules", launch=launch,
                                  schedule=r["schedule"], m=r["m"], bubble=round(r["bubble"], 4),
+                                 replayed=round(r["replayed"], 4),
                                  **step_columns(r["times"]),
                                  ratio_to_1f1b=round(statistics.median(r["times"])
                                                      / statistics.median(base["times"]), 4),
                                  oversubscribed=p > cores(), warmup=args.warmup,
                                  steps=args.steps))
                 print(f"launch {launch}, {p} ranks, m = {r['m']:>2}, {r['schedule']:<11}: "
-                      f"bubble {r['bubble']:.3f}, step {rows[-1]['step_ms']:.1f} ms, "
+                      f"bubble {r['bubble']:.3f} (replayed {r['replayed']:.3f}), "
+                      f"step {rows[-1]['step_ms']:.1f} ms, "
                       f"{rows[-1]['ratio_to_1f1b']:.3f} of 1F1B's (varies)")
     wrote(write_csv("schedules.csv", rows, args.out), plot(rows, args.out / "schedules.png"))
 
@@ -158,8 +203,10 @@ def section(folder=PLOTS):
             return f"{name} not run (it needs m >= {2 * p})"
         bubble = sorted(float(r["bubble"]) for r in mine)
         ratio = sorted(float(r["ratio_to_1f1b"]) for r in mine)
+        replay = [float(r["replayed"]) for r in mine if r.get("replayed")]  # not in older CSVs
         return (f"{name} {statistics.median(bubble):.3f} ({bubble[0]:.3f}-{bubble[-1]:.3f}; "
-                f"formula {bubble_formula(p, m, name, v):.3f})"
+                + (f"replayed {statistics.median(replay):.3f}; " if replay else "")
+                + f"formula {bubble_formula(p, m, name, v):.3f})"
                 + ("" if name == "1f1b" else f", step {statistics.median(ratio):.2f}x"))
 
     launches = max(int(r["launch"]) for r in rows)
@@ -169,17 +216,19 @@ def section(folder=PLOTS):
              "512) layers with 64-row micro-batches under every schedule with one or two "
              f"chunks a stage, in turns, {launches} launches (`schedules.csv`). The bubble each "
              "step measures from its trace, median over the launches and their range (varies), "
-             "beside the formula for F, B and W of equal times, and the step against 1F1B's in "
-             "the same launch:", ""]
+             "beside the same lists replayed with each rank's and chunk's measured forward, "
+             "backward and W (free messages; median over the launches) and the formula for F, "
+             "B and W of equal times, and the step against 1F1B's in the same launch:", ""]
     for p in sorted({int(r["ranks"]) for r in rows}):
         shared = f" ({p} ranks on {cores()} cores: oversubscribed)" if p > cores() else ""
         for m in sorted({int(r["m"]) for r in rows if int(r["ranks"]) == p}):
             lines.append(f"- {p} stages, m = {m}{shared}: "
                          + "; ".join(cell(p, m, name, v) for name, v in SCHEDULES) + ".")
-    return lines + ["", "The gap to each formula is what these steps do beside the schedule's "
-                    "computations: each instruction's Python time, the messages and the waits "
-                    "for them, and pieces that are not exactly equal: the formulas count none "
-                    "of it. The V-shaped schedules "
+    return lines + ["", "Between the formula and the replay is what unequal times alone give "
+                    "(the last piece's loss, a W unlike its B, ranks slowing each other); "
+                    "between the replay and the measurement, the messages, the waits for them "
+                    "and the time between instructions, which the replay does not count. The "
+                    "V-shaped schedules "
                     "hand a micro-batch from piece p-1 to piece p on one rank without a "
                     "message, and compute the loss on rank 0, beside the input. On these CPUs "
                     "no forward runs at the same time as another micro-batch's backward: "
