@@ -1,7 +1,7 @@
 """The report's paragraph on the pipeline with taller micro-batches reads every figure from
 the rows it is given (pp_rows256.csv's and pp.csv's), and says whether the target is met."""
 
-from mpipar.tools.bench.pp import wide_paragraph
+from mpipar.tools.report_pipeline import wide_paragraph
 
 
 def row(schedule, speedup, rows=256, **factors):
@@ -71,7 +71,7 @@ def test_the_blas_reference_adds_the_micro_batches_dw_into_the_whole_batch_s():
 
 
 def test_the_speedup_paragraph_says_what_the_blas_library_alone_keeps():
-    from mpipar.tools.bench.pp import speedup_paragraph
+    from mpipar.tools.report_pipeline import speedup_paragraph
 
     r = row("1f1b", 1.09, rows=64, micro_efficiency=0.644, stage_efficiency=1.01)
     text = "".join(speedup_paragraph([dict(r, blas_efficiency="0.700")]))

@@ -13,8 +13,8 @@ and the text calls them predictions.
 
 from mpipar.tools.bench.common import PLOTS, csv_rows, environment, read_csv, write_atomically
 from mpipar.tools.bench.common import csv_float as _f
-from mpipar.tools.bench.pp import speedup_paragraph, wide_paragraph
 from mpipar.tools.report_dimensions import context_section, experts_section, precision_section
+from mpipar.tools.report_pipeline import speedup_paragraph, wide_paragraph
 
 
 def _pct(x):

@@ -6,7 +6,7 @@
 schedules, rounds and speedup factors, with micro-batches four times as tall (batch 4096), so
 that the micro-batch efficiency (the serial step on the whole batch over the same step
 accumulated over the micro-batches) no longer holds the speedup down as at 64 rows. The
-report sets it beside the 64-row figure (:func:`mpipar.tools.bench.pp.wide_paragraph`).
+report sets it beside the 64-row figure (:func:`mpipar.tools.report_pipeline.wide_paragraph`).
 """
 
 from mpipar.tools.bench import pp
