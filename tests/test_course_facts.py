@@ -701,3 +701,35 @@ def test_lesson_5_exercise_13_idles_are_the_replays():
     text = flat((LESSONS / "solutions" / "05-pipeline-parallel.md").read_text())
     assert "3 x (3 + 2 - 3) = 6 chunk-units of idle on rank 0" in text
     assert "F&B = B = 2: 3 x (2 + 2 - 3) = 3" in text and "idles p - 1 = 3 chunk-units" in text
+
+
+def test_lesson_11_pairs_and_lesson_13_layouts_are_the_code_s():
+    """Lesson 11: rank 0's tokens and pairs are its rows x the default sequence length x top-k,
+    and Step 3's counts add up to them; lesson 13: the layouts precision_schemes.py runs, and
+    how many of them fp16 runs (all but the bf16 gradient sum)."""
+    a = cli.parse_args("expert_parallel", [])
+    tokens = 8 * a.seq_len
+    text = flat(lesson("11-"))
+    assert f"8 rows of {a.seq_len} tokens are {tokens} tokens, {a.top_k * tokens} pairs" in text
+    assert sum([153, 135, 130, 94]) == a.top_k * tokens
+    assert "Alltoall of the pair counts [153, 135, 130, 94] by expert" in text
+    tree = ast.parse((MPI_SCRIPTS / "precision_schemes.py").read_text())
+    layouts = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                   and getattr(n.targets[0], "id", "") == "LAYOUTS")
+    bf16_only = sum("--grad-sum" in flags for _, _, flags in layouts)
+    assert (f"It runs {len(layouts)} layouts in bf16, and {len(layouts) - bf16_only} of them (all "
+            "but the bf16 gradient sum) in fp16") in flat(lesson("13-"))
+
+
+def test_lesson_12_exercise_1_counts_are_the_explain_lines(mpirun):
+    """Exercise 1's answer: rank 1 of the ring on cp 4 sends 12 K, V blocks by Isend and 8 dK,
+    dV by Sendrecv in a step, each 256.0 KiB, as its --explain lines show."""
+    out = mpirun(4, ["-m", "mpipar.context_parallel", "--explain", "--steps", "1", "--quiet",
+                     "--dtype", "float64"], timeout=90).stdout
+    mine = [line for line in out.splitlines() if line.startswith("[rank 1, cp 1] ")]
+    done = [line for line in mine if line.startswith("[rank 1, cp 1] Isend done")]
+    pairs = [line for line in mine if line.startswith("[rank 1, cp 1] Sendrecv")]
+    assert (len(done), len(pairs)) == (12, 8), mine
+    assert all("256.0 KiB" in line for line in done + pairs), done + pairs
+    text = flat((LESSONS / "solutions" / "12-context-parallel.md").read_text())
+    assert "12 `Isend done` (6 forward and 6 backward" in text and "8 `Sendrecv` (dK, dV)" in text
