@@ -155,8 +155,8 @@ CASES = [  # (scheme, ranks, flags, what the message says)
     ("pipeline", 2, ["--schedule", "zb-h1", "--recompute"],
      "--schedule zb-h1 runs each backward as B and W apart, but --recompute"),
     ("hybrid", 4, ["--schedule", "zb-h1"], "not 'zb-h1': its stages hold one model chunk "
-     "(interleaved needs several) and its --overlap hooks each micro-batch's whole backward "
-     "(zb-h1 splits it)"),
+     "(interleaved needs several) and its --overlap hooks the last micro-batch's whole "
+     "backward (zb-h1 splits it)"),
     ("pipeline", 2, ["--schedule", "interleaved", "--chunks", "0"], "--chunks must be positive"),
     ("pipeline", 2, ["--schedule", "zb-v", "--chunks", "3"],
      "--schedule zb-v places 2 model chunks on each rank in a V, not --chunks 3"),

@@ -208,7 +208,8 @@ FLAG_RULES = [
      "unknown --schedule {a.schedule!r}: choose one of " + ", ".join(CHOICES)),
     (HY, lambda a: a.schedule not in SCHEDULES, "the hybrid runs --schedule " + ", ".join(
         SCHEDULES) + ", not {a.schedule!r}: its stages hold one model chunk (interleaved needs "
-     "several) and its --overlap hooks each micro-batch's whole backward (zb-h1 splits it)"),
+     "several) and its --overlap hooks the last micro-batch's whole backward (zb-h1 "
+     "splits it)"),
     (PP, lambda a: a.schedule in V_SHAPED and a.chunks != 2,
      "--schedule {a.schedule} places 2 model chunks on each rank in a V, not --chunks "
      "{a.chunks}"),
