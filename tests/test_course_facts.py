@@ -114,17 +114,15 @@ def test_lesson_1_lists_every_mpi_call_of_comm():
 
 
 # ----------------------------------------------------------------------------- lesson 3
-def test_lesson_3_master_against_its_model_is_the_csv():
-    """The ratios the lesson quotes for 16 MiB on 2 ranks are those of plots/net.csv."""
+def test_lesson_3_master_against_its_model_is_read_from_the_csv():
+    """At 16 MiB on 2 ranks the master sits much further above its model than MPI's Allreduce
+    and the ring above theirs, as lesson 3 says; the lesson says where to read the ratios
+    (plots/net.csv) instead of quoting one run's."""
     net = {r["algo"]: float(r["seconds"]) / float(r["predicted_seconds"]) for r in rows("net.csv")
            if r["kind"] == "allreduce" and r["ranks"] == "2" and r["bytes"] == str(16 * 2**20)}
-    master = next(r for r in rows("net.csv") if r["kind"] == "allreduce" and r["ranks"] == "2"
-                  and r["algo"] == "master" and r["bytes"] == str(16 * 2**20))
     text = flat(lesson("03"))
-    assert f"{float(master['seconds']) * 1e3:.1f} ms" in text
-    assert f"{float(master['predicted_seconds']) * 1e3:.1f} ms" in text
-    assert f"{net['master']:.1f} times" in text
-    assert f"{net['mpi']:.1f}" in text and f"{net['ring']:.1f}" in text
+    assert "divide `seconds` by `predicted_seconds` in the `allreduce` rows of `plots/net.csv` " \
+        "at 16 MiB (16,777,216 bytes) on 2 ranks" in text
     assert net["master"] > 3 * max(net["mpi"], net["ring"]) / 1.7
     assert "as the models predict" not in text
 
@@ -150,31 +148,13 @@ def test_lesson_4_exercise_6_crossover_is_in_the_data():
     above = min(h for h in speedup if h > below)
     assert speedup[below] < 1 < speedup[above]
     solution = flat((ROOT / "lessons" / "solutions" / "04-tensor-parallel.md").read_text())
-    assert f"is {speedup[below]:.3f} at h = {below} and {speedup[above]:.3f} at h = {above}" \
-        in solution
-    assert f"crossover is h = {small[0]['predicted_crossover_hidden']}," in solution
+    assert "the `predicted_crossover_hidden` column" in solution  # read there, not quoted
+    assert "(`measured_crossover_hidden`;" in solution
     text = flat(lesson("04"))
     assert "with the small step, b*s = 1 x 16 tokens" in text
 
 
 # ----------------------------------------------------------------------------- lesson 5
-def test_lesson_5_micro_batch_sizes_are_the_csvs():
-    """The speedups and micro-batch efficiencies lesson 5 quotes at 64 and 256 rows are those
-    of pp.csv and pp_rows256.csv (P = 2, m = 16)."""
-    text = flat(lesson("05"))
-    for name in ("pp.csv", "pp_rows256.csv"):
-        at = {r["schedule"]: r for r in rows(name) if (r["ranks"], r["m"], r["stage"])
-              == ("2", "16", "0")}
-        assert f"is {float(at['1f1b']['micro_efficiency']):.3f}" in text, name
-        blas = f"{float(at['1f1b']['blas_efficiency']):.3f}"  # its BLAS part, timed beside it
-        assert (f"keep {blas} of their whole-batch speed" if name == "pp.csv" else
-                f"(the BLAS library alone {blas})") in text, name
-        speed = {k: f"{float(at[k]['speedup_vs_serial']):.2f}x" for k in ("1f1b", "zb-h1")}
-        assert f"1F1B runs at {speed['1f1b']}" in text or f"1F1B reaches {speed['1f1b']}" \
-            in text, name
-        assert f"ZB-H1 at {speed['zb-h1']}" in text or f"ZB-H1 {speed['zb-h1']}" in text, name
-
-
 def test_lesson_5_warm_up_numbers_are_the_simulator_s():
     """Exercise 10 and the warm-up paragraph: stashes, and the bubbles at latencies 0.1 and
     0.5 of a chunk's forward (the lesson's 0.130 and 0.098 are test_schedules')."""
@@ -197,41 +177,30 @@ def test_lesson_5_says_the_pipeline_gpt_has_4_blocks():
 
 
 # ----------------------------------------------------------------------------- lesson 6
-def test_lesson_6_quotes_every_scheme_s_2_rank_speedup_from_the_csv():
-    two = {r["scheme"]: float(r["speedup"]) for r in rows("scaling.csv") if r["ranks"] == "2"}
-    tp = two["tensor parallel (block, h=1024)"]
-    dp = {k: v for k, v in two.items() if k.startswith("data parallel")}
-    assert len(dp) == 3, two
+def test_lesson_6_reads_every_scheme_s_2_rank_speedup_from_the_csv():
+    """The schemes lesson 6 compares on 2 ranks are the rows of plots/scaling.csv, where it
+    sends the reader for their speedups (one launch's, so not quoted)."""
+    two = {r["scheme"] for r in rows("scaling.csv") if r["ranks"] == "2"}
+    dp = {k[len("data parallel ("):-1] for k in two if k.startswith("data parallel")}
+    assert "tensor parallel (block, h=1024)" in two and dp == \
+        {"master", "allreduce", "allreduce+overlap"}, two
     text = flat(lesson("06"))
-    assert f"reaches {tp:.2f}x" in text
-    names = {"master": "master", "allreduce": "allreduce", "allreduce+overlap": "overlap"}
-    for mode, value in dp.items():
-        assert f"{names[mode[len('data parallel ('):-1]]} {value:.2f}x" in text, mode
+    assert "compare one tensor-parallel block at h = 1024 with the data-parallel modes (master, " \
+        "allreduce, allreduce with overlap): the `speedup` of the 2-rank rows of " \
+        "`plots/scaling.csv`" in text
     assert "the only scheme here that divides the work" not in text
 
 
-def test_lesson_6_sharing_the_cores_is_the_csv():
-    from mpipar.tools.bench.wait import BARE
+def test_lesson_6_sharing_the_cores_is_the_replay_s():
+    """The perfect scheduler's ratio and busy share lesson 6 quotes are the replay's (FLOPs, not
+    timings); the measured ones, and the CPU time and switches, it leaves to the report."""
+    from mpipar.tools.bench.wait import PAIRS, ideal
 
-    pairs = {r["scheme"]: float(r["ratio"]) for r in rows("wait.csv") if r["ratio"]}
-    dp, bare = pairs["dp allreduce: 4 / 2 ranks"], pairs[f"{BARE}: 4 / 2 ranks"]
+    ratio, busy = ideal(PAIRS["main job (pipeline)"], 2)
     text = flat(lesson("06"))
-    assert f"4 ranks took {dp:.2f}x as long as 2 with mpipar and {bare:.2f}x without it" in text
-    main = next(r for r in rows("wait.csv") if r["scheme"] == "main job (pipeline): 4 / 2 ranks")
-    assert (f"would take {float(main['ideal_ratio']):.2f} of its time on 2 ranks; measured, it "
-            f"took {float(main['ratio']):.2f}, with the cores {float(main['busy_share']):.0%} "
-            f"busy") in text
-    assert f"against the replay's {float(main['ideal_busy_share']):.0%}" in text
-    assert float(main["busy_share"]) >= float(main["ideal_busy_share"]) - 0.05  # "not idle"
-    cpu, cpu2 = float(main["cpu_ms"]), float(main["cpu2_ms"])
-    assert (f"spent {cpu / cpu2:.2f}x the CPU time of 2 ranks that also sleep as they wait "
-            f"({cpu:.1f} ms a step against {cpu2:.1f})") in text
-    assert (f"({float(main['voluntary']):.0f} voluntary context switches a step against "
-            f"{float(main['voluntary2']):.0f})") in text
-    assert (f"({float(main['involuntary']):.0f} involuntary switches against "
-            f"{float(main['involuntary2']):.0f})") in text
-    assert (f"4 ranks on 2 cores spend {float(main['alone_cpu_ratio']):.2f}x the CPU time a step "
-            "and rank of 2") in text
+    assert f"would take {ratio:.2f} of its time on 2 ranks, with the cores {busy:.0%} busy" in text
+    assert "[The report](../plots/REPORT.md#speed-at-learners-sizes) gives the measured ratio " \
+        "and busy share beside the replay's" in text
 
 
 def test_lesson_6_cost_model_beside_megatron():
@@ -263,7 +232,9 @@ def test_simulate_this_machine_reads_the_measured_csvs(tmp_path):
     assert S.measured_machine(flops=1e9).flops == 1e9
     default = S.measured_machine(folder=tmp_path)  # no CSVs: the defaults, and it says so
     assert default.name.startswith("this machine (defaults: ") and default.flops == 20e9
-    assert hw.name in lesson("06")
+    assert re.fullmatch(r"this machine \(measured: [\d.]+ GFLOP/s, alpha [\d.]+ us, "
+                        r"beta [\d.]+ ns/B\)", hw.name), hw.name
+    assert "this machine (measured: ... GFLOP/s, alpha ... us, beta ... ns/B)" in lesson("06")
 
 
 # ----------------------------------------------------------------------------- lesson 7
@@ -402,13 +373,12 @@ def test_lesson_13_exercise_5_is_the_ledger_s(mpirun):
 # ----------------------------------------------------------------------------- lesson 9
 def test_lesson_9_link_numbers_are_the_csv():
     """The table lesson 9 shows is plots/link.csv's run (each rate's DP steps, exposed
-    communication, predictions and errors), and so are the numbers its text quotes."""
+    communication, predictions and errors). Its text quotes none of the run's times, rates or
+    errors: it reads them from the table and points to the report's section."""
     from mpipar.tools.cluster import burst_bytes, format_rate, parse_rate
-    from mpipar.tools.report_link import crossover_bits
 
     link = rows("link.csv")
     dp = {(r["bandwidth"], r["mode"]): r for r in link if r["kind"] == "dp"}
-    ms = lambda rate, mode, key="seconds": f"{float(dp[rate, mode][key]) * 1e3:.0f} ms"  # noqa
     text = lesson("09")
     table = text.split("$ python -m mpipar.tools.bench.link\n")[1].split("```")[0].splitlines()
     for rate in {rate for rate, _ in dp}:
@@ -423,34 +393,8 @@ def test_lesson_9_link_numbers_are_the_csv():
             expect.append(f"{100 * float(r['prediction_error']):+.0f}")
         assert ["".join(n) for n in numbers] == expect, (rate, row)
     text = flat(text)
-    crossover = f"about {crossover_bits(link) / 1e6:.0f} Mbit/s"
-    assert text.count(crossover) == 2, crossover  # the overview and the table's reading
-    compute = ms("none", "allreduce", "compute_seconds")
-    assert f"about {compute} of compute" in text and f"the {compute} of compute" in text
-    assert f"{ms('1gbit', 'allreduce')}, {ms('1gbit', 'allreduce', 'exposed_seconds')} of it " \
-           "exposed" in text
-    assert f"link is the step: {ms('100mbit', 'allreduce')}, " \
-           f"{ms('100mbit', 'allreduce', 'exposed_seconds')} of it exposed" in text
-    fast = [ms(rate, "allreduce", key) for key in ("seconds", "exposed_seconds")
-            for rate in ("none", "10gbit")]
-    assert f"the step is compute**: {fast[0][:-3]} and {fast[1]}, of which {fast[2][:-3]} and " \
-           f"{fast[3]} exposed" in text
-    assert f"backward's share ({ms('100mbit', 'allreduce+overlap')})" in text
-    assert f"hides a part ({ms('1gbit', 'allreduce+overlap')})" in text
     assert f"({burst_bytes(10**10) / 1e6:.2f} MB)" in text
-    assert f"load average {float(link[0]['loadavg_1min']):.1f};" in text
-    errors = {key: float(r["prediction_error"]) for key, r in dp.items()}
-    worst = max(errors, key=lambda key: abs(errors[key]))
-    assert all(abs(e) <= 0.2 for e in errors.values()), errors  # within 20%
-    how = "one Allreduce" if worst[1] == "allreduce" else "with overlap"
-    where = format_rate(parse_rate(worst[0]))
-    assert f"({100 * errors[worst]:+.0f}% at worst, {how} at {where})" in text
-    speed = {key: f"{float(r['speedup']):.2f}x" for key, r in dp.items()}
-    assert f"to {speed['1gbit', 'allreduce']} at 1 Gbit/s for one Allreduce " \
-           f"({speed['1gbit', 'allreduce+overlap']} with overlap) and " \
-           f"{speed['100mbit', 'allreduce']} at 100 Mbit/s" in text
-    assert float(dp["1gbit", "allreduce"]["speedup"]) < 1 < float(dp["none", "allreduce"]
-                                                                  ["speedup"])
+    assert text.count("(../plots/REPORT.md#across-an-emulated-link)") >= 3
 
 
 def test_lesson_9_speedup_table_is_the_csv():
@@ -470,28 +414,15 @@ def test_lesson_9_speedup_table_is_the_csv():
 
 
 def test_lesson_9_other_schemes_are_the_csv():
-    """Lesson 9's paragraph on the other schemes across the link quotes plots/link.csv's rows
-    of kind "scheme": the 100 Mbit/s steps, the bytes per step, the rate below which each
-    scheme's predicted communication outlasts its compute, and the worst prediction."""
-    from mpipar.tools.report_link import outlasts_bits
-
+    """Lesson 9's paragraph on the other schemes across the link quotes the bytes per step of
+    plots/link.csv's rows of kind "scheme" (counted, the same in every run); the rates, steps
+    and errors it leaves to the table and the report."""
     link = rows("link.csv")
     at = {(r["bandwidth"], r["mode"]): r for r in link if r["kind"] == "scheme"}
     text = flat(lesson("09").split("**The other schemes across the same link**")[1])
-    modes = ("master", "ring", "tensor_parallel", "pipeline")
-    for mode in modes:
-        assert f"about {outlasts_bits(link, mode) / 1e6:.0f} Mbit/s" in text, mode
-        step = float(at["100mbit", mode]["seconds"]) * 1e3
-        assert f"{step:.0f} ms at 100 Mbit/s" in text, (mode, step)
     tp, pp = at["none", "tensor_parallel"], at["none", "pipeline"]
     assert f"{tp['messages']} Allreduces, {float(tp['bytes']) / 1e6:.2f} MB per step" in text
     assert f"{float(pp['bytes']) / 1e6:.2f} MB per stage and step" in text
-    errors = [float(r["prediction_error"]) for r in at.values()]
-    worst = max(errors, key=abs)
-    assert f"{100 * worst:+.0f}% at worst" in text and max(map(abs, errors)) <= 0.2, errors
-    speed = {m: float(at["100mbit", m]["speedup"]) for m in ("pipeline", "tensor_parallel")}
-    assert f"{speed['pipeline']:.2f}x of one process, where tensor parallelism runs at " \
-           f"{speed['tensor_parallel']:.2f}x" in text
 
 
 # ----------------------------------------------------------------------------- README
@@ -639,6 +570,24 @@ def test_lesson_9_link_times_are_the_formula():
     text = " ".join((LESSONS / "09-cluster.md").read_text().split())
     fast, slow = (8 * 2**20 / rate * 1e3 for rate in (1e9, 1e8))
     assert f"= {fast:.2f} ms at 1 Gbit/s and {slow:.1f} ms at 100 Mbit/s" in text
+
+
+def test_the_dp_benchmark_s_gradient_bytes_are_its_parameters():
+    """Psi = 4 bytes x the dp benchmark's parameters (a count): lesson 9's 8.7 MB and its
+    8 Psi / R at 10 Gbit/s, 1 Gbit/s and 100 Mbit/s, and the n of solutions/06's exercise 2."""
+    params = {int(r["params"]) for r in rows("dp.csv")}
+    assert params == {2_176_010}, params
+    psi = 4 * params.pop()
+    text = flat(lesson("09"))
+    assert f"Psi = {psi / 1e6:.1f} MB" in text
+    ms = [8 * psi / rate * 1e3 for rate in (1e10, 1e9, 1e8)]
+    assert f"8 Psi / R is {ms[0]:.0f} ms at 10 Gbit/s, {ms[1]:.0f} ms at 1 Gbit/s and " \
+           f"{ms[2] / 1e3:.1f} s at 100 Mbit/s" in text
+    assert f"8 Psi / R = {ms[0]:.0f} ms" in text and f"8 Psi / R = {ms[1]:.0f} ms" in text
+    assert f"8 Psi / R = {ms[2] / 1e3:.1f} s" in text
+    solution = flat((LESSONS / "solutions" / "06-performance.md").read_text())
+    assert f"2,176,010 parameters (`params`), so n = {psi:,} bytes" in solution
+    assert f"0.5 x {psi:,} B x gamma = {psi // 2:,} B x gamma" in solution
 
 
 def test_lesson_3_zero1_exercise_blocks_are_the_model_s():
