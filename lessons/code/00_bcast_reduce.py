@@ -5,7 +5,9 @@ Lesson 0, part 4: Bcast and Reduce written by hand from Send and Recv, two ways 
 Linear: the root sends to (or receives from) every other rank in turn: p - 1 rounds.
 Binomial tree: the root first sends half-way round (to the rank 2**(ceil(log2 p) - 1) away),
 and in each later round every rank that has the data sends it half as far as the round
-before, so the number of ranks that have it doubles each round: ceil(log2 p) rounds. Reduce
+before, so the number of ranks that have it doubles each round: ceil(log2 p) rounds. (When p
+is not a power of two, a send to a rank past p - 1 is skipped, and the sender goes on to its
+next partner a round early.) Reduce
 is the same tree run backwards, adding on the way: the nearest partners first. Each is
 checked against MPI's own Bcast and Reduce.
 """
