@@ -80,6 +80,25 @@ def test_memory_flag_in_every_scheme(mpirun, ranks, flags, predicted):
     assert last.startswith("cost model") and ("no prediction" not in last) == predicted, out
 
 
+@pytest.mark.parametrize("schedule", [["interleaved", "--chunks", "2"], ["zb-h1"], ["zb-v"],
+                                      ["dualpipev"]])
+def test_the_cost_model_predicts_the_chunked_and_split_pipelines(mpirun, schedule):
+    """Two chunks a stage (looped or in a V) and split backwards: the cost model's largest
+    rank holds the ledger's largest parameters, gradients and Adam's moments to the byte, and
+    its activations (the replayed schedule's stash, without the loss's own cache) within 5%."""
+    out = mpirun(2, ["-m", "mpipar.pipeline", "--schedule", *schedule, "--micro-batches", "4",
+                     "--steps", "1", "--quiet", "--timeline", "none", "--dtype", "float64",
+                     "--memory"], timeout=90).stdout
+    table = rows_of(out)
+    got = re.search(r"its largest rank: parameters ([\d,]+), gradients ([\d,]+), optimizer "
+                    r"([\d,]+), activations ([\d,]+)", out)
+    assert got, out
+    predicted = [int(v.replace(",", "")) for v in got.groups()]
+    assert predicted[:3] == [max(row[k] for row in table.values()) for k in range(3)], out
+    largest = max(row[3] for row in table.values())
+    assert abs(predicted[3] - largest) <= 0.05 * largest, (predicted[3], largest)
+
+
 def test_the_cost_model_shards_by_zero_stage():
     spec = S.GPTSpec(vocab=64, d_model=32, n_heads=4, n_layers=2, seq_len=16)
     hw = S.this_machine(1e9, 0.0, 0.0)

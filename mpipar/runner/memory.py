@@ -161,13 +161,13 @@ def where(grid):
 
 def prediction(a, task):
     """The cost model's bytes per rank for this run's layout (its largest rank), or None where
-    it has no model of the run: it counts Adam's two moments, one chunk per stage cut where the
-    FLOPs balance, a schedule it replays, and each rank updating its own parameters."""
+    it has no model of the run: it counts Adam's two moments, stages (and their model chunks)
+    cut where the FLOPs balance, the schedule it replays, and each rank updating its own
+    parameters."""
     from mpipar.tools import simulate as S
 
-    if a.optim == "sgd" or a.chunks > 1 or a.partition or getattr(a, "sync", "") == "master" \
-            or getattr(a, "update", "local") == "master" \
-            or getattr(a, "schedule", "1f1b") not in S.schedules.SCHEDULES:
+    if a.optim == "sgd" or a.partition or getattr(a, "sync", "") == "master" \
+            or getattr(a, "update", "local") == "master":
         return None
 
     spec = S.MLPSpec(tuple(a.sizes)) if a.model == "mlp" else \
@@ -176,7 +176,8 @@ def prediction(a, task):
     r = S.predict(spec, S.this_machine(1e9, 0.0, 0.0), a.data_groups, a.tp, a.pp, a.batch_size,
                   a.micro_batches, getattr(a, "schedule", "1f1b"), np.dtype(B.dtype).itemsize,
                   getattr(a, "zero", 0), a.recompute, ep=getattr(a, "ep", None) or 1,
-                  cp=a.cp, cp_algo=a.cp_algo)
+                  cp=a.cp, cp_algo=a.cp_algo, n_chunks=getattr(a, "chunks", 1),
+                  warmup=getattr(a, "warmup", None) or "production")
     return {k: round(r[f"mem_{k}_bytes"]) for k in KINDS[:4]}
 
 
@@ -197,6 +198,6 @@ def lines(probe, a, task, grid):
     predicted = prediction(a, task)
     out.append("cost model (mpipar/tools/simulate.py > predict), its largest rank: " + (
         ", ".join(f"{h} {predicted[k]:,}" for h, k in zip(HEADINGS, KINDS) if k in predicted)
-        if predicted else "no prediction (it models Adam, one chunk per "
-                          "stage, the balanced partition, its schedules and a local update)"))
+        if predicted else "no prediction (it models Adam, the balanced partition, "
+                          "its schedules and a local update)"))
     return out
