@@ -271,13 +271,12 @@ def part_times(events):
 def replayed_bubble(name, p, m, parts):
     """The bubble of the schedule replayed (:func:`mpipar.parts.schedules.simulate`, free messages)
     with each stage's measured forward, B and W of one micro-batch: what the schedule gives
-    with these times, unequal stages and W unlike B included."""
-    from mpipar.parts.schedules import schedule, simulate, simulated_bubble
+    with these times, unequal stages and W unlike B included. The one-chunk case of
+    :func:`mpipar.tools.bench.schedules.replayed`."""
+    from mpipar.tools.bench.schedules import replayed
 
-    weight = [w / (b + w) for _, b, w in parts]
-    timeline = simulate(schedule(name, p, m), [f for f, _, _ in parts],
-                        [b + w for _, b, w in parts], 0.0, statistics.mean(weight))
-    return simulated_bubble(timeline)
+    return replayed(name, p, m, 1, [[(f, b + w, w / (b + w) if w else None)]
+                                    for f, b, w in parts])
 
 
 def zb_formula(p, m, tf, tb, tw):

@@ -76,13 +76,11 @@ def worker(micro, warmup, steps):
 
     def record(i):
         summaries[i].append(step_summary(TRACE.events))
-        split = {(e[3].micro, e[3].chunk) for e in TRACE.events if e[4].get("part") == "weight"}
-        spans[i] += [(kind, ins.chunk, kind == "backward" and (ins.micro, ins.chunk) in split,
-                      t1 - t0)
-                     for t0, t1, kind, ins, info in TRACE.events
-                     if kind in ("forward", "backward") and info.get("part") is None] + [
-            ("weight", e[3].chunk, True, e[1] - e[0]) for e in TRACE.events
-            if e[4].get("part") == "weight"]
+        work = [e for e in TRACE.events if e[2] in ("forward", "backward")]  # W: a backward
+        split = {(ins.micro, ins.chunk) for _, _, _, ins, info in work if info.get("part")}
+        spans[i] += [(info.get("part") or kind, ins.chunk,
+                      kind == "backward" and (ins.micro, ins.chunk) in split, t1 - t0)
+                     for t0, t1, kind, ins, info in work]
 
     times = in_turns(trainers, warmup, steps, record)
     ranks = world.gather([summaries, [part_times(s) for s in spans]])
